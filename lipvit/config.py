@@ -1,0 +1,153 @@
+"""Model configuration and named presets.
+
+Letters used in shape comments across lipvit: ``B`` batch, ``C`` image channels,
+``N`` tokens (patches + class token), ``D`` width (``embed_dim``), ``H`` heads,
+``d`` head width ``D / H``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Family = Literal["standard", "lipschitz"]
+AttnProject = Literal["frobenius", "token"]
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Architecture of a :class:`lipvit.model.ViT`.
+
+    Attributes:
+        image_size: side of the square input image.
+        in_chans: image channels ``C``.
+        num_classes: classifier outputs.
+        patch_size: side of a square patch; must divide ``image_size``.
+        embed_dim: token width ``D``.
+        depth: number of transformer blocks.
+        num_heads: attention heads ``H``; must divide ``embed_dim``.
+        mlp_ratio: hidden width of the feed-forward block over ``D``.
+        family: ``"standard"`` (LayerNorm, GELU MLP: the SpecFormer setting) or
+            ``"lipschitz"`` (LoFAST §5.2: LayerProject, SLL feed-forward,
+            1-Lipschitz patch embedding and head, capped ``‖W_v‖``, ``‖W_o‖``).
+        qkv_bias: biases on q, k, v (standard family only; LoFAST's bounds need
+            bias-free q and k).
+        attn_project: lipschitz family, projection before each attention:
+            ``"frobenius"`` projects the whole token matrix onto the Frobenius
+            ball of radius ``attn_radius`` (LoFAST's code); ``"token"`` projects
+            every token onto the ball of radius ``attn_radius``.
+        attn_radius: radius of that projection (LoFAST: 1).
+        v_cap: lipschitz family, bound on every head's ``‖W_v[h]‖`` (exact).
+        o_cap: lipschitz family, bound on every head's ``‖W_o[h]‖`` (exact).
+        mean: per-channel normalisation mean applied inside the model.
+        std: per-channel normalisation standard deviation.
+    """
+
+    image_size: int = 8
+    in_chans: int = 1
+    num_classes: int = 10
+    patch_size: int = 2
+    embed_dim: int = 32
+    depth: int = 2
+    num_heads: int = 4
+    mlp_ratio: float = 2.0
+    family: Family = "standard"
+    qkv_bias: bool = False
+    attn_project: AttnProject = "frobenius"
+    attn_radius: float = 1.0
+    v_cap: float = 0.5
+    o_cap: float = 0.5
+    mean: tuple[float, ...] = (0.5,)
+    std: tuple[float, ...] = (0.5,)
+
+    def __post_init__(self) -> None:
+        positive = ("image_size", "in_chans", "num_classes", "patch_size",
+                    "embed_dim", "depth", "num_heads")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"patch_size {self.patch_size} must divide image_size {self.image_size}"
+            )
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must divide embed_dim {self.embed_dim}"
+            )
+        if self.family not in ("standard", "lipschitz"):
+            raise ValueError(f"family must be 'standard' or 'lipschitz', got {self.family!r}")
+        if self.attn_project not in ("frobenius", "token"):
+            raise ValueError(
+                f"attn_project must be 'frobenius' or 'token', got {self.attn_project!r}"
+            )
+        if not self.mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if not self.attn_radius > 0:
+            raise ValueError(f"attn_radius must be > 0, got {self.attn_radius}")
+        for name in ("v_cap", "o_cap"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}")
+        if self.family == "lipschitz" and self.qkv_bias:
+            raise ValueError("the lipschitz family has bias-free q and k: set qkv_bias=False")
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
+            raise ValueError(
+                f"mean and std need {self.in_chans} entries (one per channel), "
+                f"got {len(self.mean)} and {len(self.std)}"
+            )
+        if any(not s > 0 for s in self.std):
+            raise ValueError(f"std entries must be > 0, got {self.std}")
+
+    @property
+    def head_dim(self) -> int:
+        """Head width ``d = D / H``."""
+        return self.embed_dim // self.num_heads
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def mlp_hidden(self) -> int:
+        return max(1, int(round(self.embed_dim * self.mlp_ratio)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python form stored in checkpoints (lists instead of tuples)."""
+        out = dataclasses.asdict(self)
+        out["mean"], out["std"] = list(self.mean), list(self.std)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ViTConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown ViTConfig fields: {sorted(unknown)}")
+        return cls(**{k: tuple(v) if k in ("mean", "std") else v for k, v in data.items()})
+
+
+# Named architectures (size only: family, dataset statistics and classes are set
+# by the caller). CIFAR sizes follow SpecFormer (ViT-S-like) and LoFAST §5.2.
+PRESETS: dict[str, dict[str, Any]] = {
+    "digits-tiny": dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32,
+                        depth=2, num_heads=4, mlp_ratio=2.0),
+    "digits-small": dict(image_size=8, in_chans=1, patch_size=2, embed_dim=64,
+                         depth=3, num_heads=8, mlp_ratio=2.0),
+    "cifar-lofast-3x128": dict(image_size=32, in_chans=3, patch_size=4, embed_dim=128,
+                               depth=3, num_heads=8, mlp_ratio=2.0),
+    "cifar-lofast-6x384": dict(image_size=32, in_chans=3, patch_size=4, embed_dim=384,
+                               depth=6, num_heads=8, mlp_ratio=2.0),
+    "cifar-vit-s": dict(image_size=32, in_chans=3, patch_size=4, embed_dim=384,
+                        depth=12, num_heads=6, mlp_ratio=4.0),
+}
+
+
+def preset(name: str, **overrides: Any) -> ViTConfig:
+    """Build the :class:`ViTConfig` of preset ``name`` with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return ViTConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,220 @@
+"""Vision Transformer in two families: ``standard`` and ``lipschitz``.
+
+Shapes: ``B`` batch, ``C`` channels, ``N`` tokens (patches + class token), ``D``
+width, ``H`` heads, ``d = D / H`` head width.
+
+The standard family is timm's pre-norm ViT (LayerNorm, GELU MLP) as SpecFormer
+trains it. The lipschitz family is LoFAST's §5.2 architecture (MATH.md §5):
+LayerProject in place of LayerNorm, a projection of the token matrix before each
+attention, SLL feed-forward layers, a patch embedding and head of spectral norm
+≤ 1, and per-head caps on ``‖W_v[h]‖`` and ``‖W_o[h]‖``. Models know nothing
+about bounds: ``Attention.head_weights`` is the one interface certification and
+the MSVP penalty use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lipvit.config import ViTConfig
+from lipvit.layers import SLL, LayerProject, SpectralCap, capped_linear
+
+
+class HeadWeights(NamedTuple):
+    """Per-head attention matrices (see :meth:`Attention.head_weights`)."""
+
+    W_q: Tensor  # (H, D, d)
+    W_k: Tensor  # (H, D, d)
+    W_v: Tensor  # (H, D, d)
+    W_o: Tensor  # (H, d, D)
+
+
+class HeadBiases(NamedTuple):
+    """Attention biases; ``None`` where the layer has none.
+
+    ``b_v`` and ``b_o`` add a constant to the output (softmax rows sum to 1, so
+    ``P 1 b_vᵀ W_o = 1 b_vᵀ W_o``) and never change a perturbation; ``b_q`` and
+    ``b_k`` do, and the LoFAST bound refuses layers that have them.
+    """
+
+    b_q: Tensor | None  # (H, d)
+    b_k: Tensor | None  # (H, d)
+    b_v: Tensor | None  # (H, d)
+    b_o: Tensor | None  # (D,)
+
+
+class Attention(nn.Module):
+    """Multi-head dot-product self-attention, ``Σ_h softmax(q_h k_hᵀ/√d) v_h W_o[h]``."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        D, H = cfg.embed_dim, cfg.num_heads
+        self.num_heads, self.head_dim = H, cfg.head_dim
+        self.qkv = nn.Linear(D, 3 * D, bias=cfg.qkv_bias)
+        self.proj = nn.Linear(D, D)
+        if cfg.family == "lipschitz":
+            P = nn.utils.parametrize.register_parametrization
+            P(self.qkv, "weight", SpectralCap(cfg.v_cap, "rows_per_head", H, (2 * D, 3 * D)))
+            P(self.proj, "weight", SpectralCap(cfg.o_cap, "cols_per_head", H))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, D = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # 3 × (B, H, N, d)
+        out = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, d)
+        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+
+    def head_weights(self) -> HeadWeights:
+        """Per-head ``(W_q, W_k, W_v, W_o)`` of shapes ``(H, D, d)×3, (H, d, D)``.
+
+        Ignoring biases, ``forward(X) = Σ_h softmax(X W_q[h] (X W_k[h])ᵀ/√d)
+        X W_v[h] W_o[h]`` exactly (LoFAST eq. 4, 6 with ``H = 0``). The
+        weights are the effective ones (caps applied) and keep their gradients.
+        """
+        H, d = self.num_heads, self.head_dim
+        W = self.qkv.weight  # (3D, D)
+        D = W.shape[1]
+        W_q, W_k, W_v = (W[i * D:(i + 1) * D].reshape(H, d, D).transpose(1, 2)
+                         for i in range(3))  # each (H, D, d)
+        W_o = self.proj.weight.T.reshape(H, d, D)  # (H, d, D)
+        return HeadWeights(W_q, W_k, W_v, W_o)
+
+    def head_biases(self) -> HeadBiases:
+        """Biases in the layout of :meth:`head_weights`."""
+        H, d = self.num_heads, self.head_dim
+        b = self.qkv.bias
+        b_q, b_k, b_v = (None,) * 3 if b is None else b.reshape(3, H, d)
+        return HeadBiases(b_q, b_k, b_v, self.proj.bias)
+
+
+class MLP(nn.Module):
+    """timm's feed-forward block ``fc2(GELU(fc1(x)))`` (standard family)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """One transformer block.
+
+    standard: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
+    lipschitz: ``x + attn(norm1(x))`` with ``norm1`` the projection of the token
+    matrix (LoFAST §5.2), then ``mlp(norm2(x))`` where ``mlp`` is an SLL layer,
+    already a 1-Lipschitz residual map, and ``norm2`` a per-token LayerProject
+    with ``R = √D``.
+    """
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        D = cfg.embed_dim
+        self.family = cfg.family
+        self.attn = Attention(cfg)
+        if cfg.family == "standard":
+            self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            self.mlp: nn.Module = MLP(D, cfg.mlp_hidden)
+        else:
+            self.norm1 = LayerProject(cfg.attn_radius, cfg.attn_project)
+            self.norm2 = LayerProject(math.sqrt(D), "token")
+            self.mlp = SLL(D, cfg.mlp_hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        if self.family == "standard":
+            return x + self.mlp(self.norm2(x))
+        return self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches, flattened, then one linear map (a strided conv).
+
+    The patches are disjoint, so the map's spectral norm on the whole image is
+    ``‖proj.weight‖``; the lipschitz family caps it at 1.
+    """
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.patch_size = cfg.patch_size
+        fan_in = cfg.in_chans * cfg.patch_size**2
+        self.proj = (capped_linear(fan_in, cfg.embed_dim) if cfg.family == "lipschitz"
+                     else nn.Linear(fan_in, cfg.embed_dim))
+
+    def patches(self, x: Tensor) -> Tensor:
+        """Images ``(B, C, S, S)`` to flattened patches ``(B, N-1, C·p·p)``."""
+        p = self.patch_size
+        return F.unfold(x, kernel_size=p, stride=p).transpose(1, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.patches(x))  # (B, N-1, D)
+
+
+class ViT(nn.Module):
+    """Vision Transformer classifier on images in ``[0, 1]``.
+
+    ``forward(x) = forward_head(forward_features(x))``; per-channel
+    normalisation happens inside (``normalize``).
+    """
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.config = cfg
+        D = cfg.embed_dim
+        self.register_buffer("mean", torch.tensor(cfg.mean).reshape(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(cfg.std).reshape(1, -1, 1, 1))
+        self.patch_embed = PatchEmbed(cfg)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.randn(1, cfg.num_patches + 1, D) * 0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        if cfg.family == "standard":
+            self.norm: nn.Module = nn.LayerNorm(D)
+            self.head = nn.Linear(D, cfg.num_classes)
+        else:
+            self.norm = LayerProject(math.sqrt(D), "token")
+            self.head = capped_linear(D, cfg.num_classes)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            # A parametrised weight is computed; initialise what it is computed from.
+            weight = (m.parametrizations.weight.original
+                      if nn.utils.parametrize.is_parametrized(m, "weight") else m.weight)
+            nn.init.trunc_normal_(weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """``(x − mean) / std`` per channel; Lipschitz constant ``1 / min(std)``."""
+        return (x - self.mean) / self.std
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Images ``(B, C, S, S)`` to the first block's input tokens ``(B, N, D)``."""
+        tokens = self.patch_embed(self.normalize(x))  # (B, N-1, D)
+        cls = self.cls_token.expand(tokens.shape[0], -1, -1)  # (B, 1, D)
+        return torch.cat([cls, tokens], dim=1) + self.pos_embed  # (B, N, D)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images to final normalised tokens ``(B, N, D)``."""
+        tokens = self.embed(x)
+        for block in self.blocks:
+            tokens = block(tokens)
+        return self.norm(tokens)
+
+    def forward_head(self, tokens: Tensor) -> Tensor:
+        """Final tokens ``(B, N, D)`` to logits ``(B, classes)`` from the class token."""
+        return self.head(tokens[:, 0])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def attention_layers(self) -> list[Attention]:
+        return [block.attn for block in self.blocks]

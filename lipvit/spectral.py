@@ -1,0 +1,130 @@
+"""Largest singular values: one power iteration and one exact routine for all of lipvit.
+
+Training (the MSVP penalty) and certification share these two functions.
+
+``power_iteration`` runs on any batched linear operator given by its action
+``matvec(v) = A v`` and adjoint ``rmatvec(u) = Aᵀ u``. Its value ``uᵀ A v``
+converges to ``σ_max(A)`` **from below**: it is an estimate, never a certified
+upper bound. ``spectral_norm`` is exact (dense SVD) and is what a certificate
+may use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+Op = Callable[[Tensor], Tensor]
+
+
+class PowerIteration(NamedTuple):
+    """Result of :func:`power_iteration`.
+
+    Attributes:
+        sigma: estimate ``‖A v‖`` of σ_max, shape ``batch`` (a lower estimate).
+        u: left singular vector estimate, unit norm along the operator's output.
+        v: right singular vector estimate, unit norm along the operator's input.
+        n_iter: iterations run.
+        converged: ``True`` where the relative change of sigma fell below ``tol``.
+    """
+
+    sigma: Tensor
+    u: Tensor
+    v: Tensor
+    n_iter: int
+    converged: Tensor
+
+
+def _normalize(x: Tensor, ndim: int, eps: float = 1e-30) -> Tensor:
+    """Divide ``x`` by its norm over its last ``ndim`` dimensions."""
+    dims = tuple(range(-ndim, 0))
+    return x / torch.linalg.vector_norm(x, dim=dims, keepdim=True).clamp_min(eps)
+
+
+def _norm(x: Tensor, ndim: int) -> Tensor:
+    return torch.linalg.vector_norm(x, dim=tuple(range(-ndim, 0)))
+
+
+@torch.no_grad()
+def power_iteration(
+    matvec: Op,
+    rmatvec: Op,
+    v: Tensor,
+    n_iter: int = 1,
+    *,
+    in_ndim: int = 1,
+    out_ndim: int = 1,
+    tol: float | None = None,
+) -> PowerIteration:
+    """Power iteration on ``AᵀA`` for σ_max(A), batched, matrix-free.
+
+    One step is ``u ← A v / ‖A v‖``, ``v ← Aᵀ u / ‖Aᵀ u‖`` (SpecFormer Alg. 1,
+    MATH.md §4); the estimate ``σ = ‖A v‖`` is non-decreasing in exact arithmetic
+    and converges to σ_max **from below**.
+
+    Args:
+        matvec: ``v ↦ A v``; maps tensors of shape ``(*batch, *in)`` to
+            ``(*batch, *out)``.
+        rmatvec: ``u ↦ Aᵀ u``.
+        v: start vector(s), shape ``(*batch, *in)`` (need not be normalised;
+            carried over between calls for persistent iteration).
+        n_iter: maximum number of iterations (≥ 1).
+        in_ndim: number of trailing dimensions forming the operator's input.
+        out_ndim: number of trailing dimensions forming the operator's output.
+        tol: stop early once every relative change of σ is below ``tol``.
+
+    Returns:
+        :class:`PowerIteration` with ``sigma`` of shape ``batch`` (an estimate
+        from below), unit ``u`` and ``v``.
+    """
+    if n_iter < 1:
+        raise ValueError(f"n_iter must be >= 1, got {n_iter}")
+    v = _normalize(v, in_ndim)
+    sigma = None
+    converged = torch.zeros((), dtype=torch.bool, device=v.device)
+    it = 0
+    for it in range(1, n_iter + 1):
+        Av = matvec(v)
+        new_sigma = _norm(Av, out_ndim)
+        u = Av / new_sigma.clamp_min(1e-30).reshape(new_sigma.shape + (1,) * out_ndim)
+        v = _normalize(rmatvec(u), in_ndim)
+        if tol is not None and sigma is not None:
+            converged = (new_sigma - sigma).abs() <= tol * new_sigma.abs().clamp_min(1e-30)
+            sigma = new_sigma
+            if bool(converged.all()):
+                break
+        sigma = new_sigma
+    # σ for the final v (one more matvec keeps u and v consistent with sigma).
+    Av = matvec(v)
+    sigma = torch.maximum(sigma, _norm(Av, out_ndim))
+    u = _normalize(Av, out_ndim)
+    return PowerIteration(sigma, u, v, it, converged)
+
+
+def matrix_power_iteration(
+    W: Tensor, v: Tensor, n_iter: int = 1, tol: float | None = None
+) -> PowerIteration:
+    """:func:`power_iteration` for explicit batched matrices ``W`` of shape ``(..., m, n)``.
+
+    ``v`` has shape ``(..., n)``. Returns estimates from below (see
+    :func:`power_iteration`).
+    """
+    return power_iteration(
+        lambda x: (W @ x.unsqueeze(-1)).squeeze(-1),
+        lambda y: (W.mT @ y.unsqueeze(-1)).squeeze(-1),
+        v,
+        n_iter,
+        tol=tol,
+    )
+
+
+def spectral_norm(W: Tensor) -> Tensor:
+    """Exact largest singular value of each matrix in ``W`` (``(..., m, n)`` → ``(...)``).
+
+    Dense SVD through ``torch.linalg.matrix_norm(ord=2)``; differentiable. This
+    is the value a certificate may use (float rounding aside).
+    """
+    return torch.linalg.matrix_norm(W, ord=2)
