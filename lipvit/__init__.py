@@ -5,5 +5,13 @@ from lipvit.model import Attention, HeadBiases, HeadWeights, ViT
 
 __version__ = "0.1.0"
 
-__all__ = ["PRESETS", "Attention", "HeadBiases", "HeadWeights", "ViT", "ViTConfig",
-           "__version__", "preset"]
+__all__ = [
+    "PRESETS",
+    "Attention",
+    "HeadBiases",
+    "HeadWeights",
+    "ViT",
+    "ViTConfig",
+    "__version__",
+    "preset",
+]

@@ -40,8 +40,9 @@ class ViTConfig:
         attn_radius: radius of that projection (LoFAST: 1).
         v_cap: lipschitz family, bound on every head's ``‖W_v[h]‖`` (exact).
         o_cap: lipschitz family, bound on every head's ``‖W_o[h]‖`` (exact).
-        mean: per-channel normalisation mean applied inside the model.
-        std: per-channel normalisation standard deviation.
+        mean: per-channel normalisation mean applied inside the model (empty:
+            0.5 for every channel).
+        std: per-channel normalisation standard deviation (empty: 0.5 each).
     """
 
     image_size: int = 8
@@ -58,12 +59,19 @@ class ViTConfig:
     attn_radius: float = 1.0
     v_cap: float = 0.5
     o_cap: float = 0.5
-    mean: tuple[float, ...] = (0.5,)
-    std: tuple[float, ...] = (0.5,)
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        positive = ("image_size", "in_chans", "num_classes", "patch_size",
-                    "embed_dim", "depth", "num_heads")
+        positive = (
+            "image_size",
+            "in_chans",
+            "num_classes",
+            "patch_size",
+            "embed_dim",
+            "depth",
+            "num_heads",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -77,7 +85,9 @@ class ViTConfig:
                 f"num_heads {self.num_heads} must divide embed_dim {self.embed_dim}"
             )
         if self.family not in ("standard", "lipschitz"):
-            raise ValueError(f"family must be 'standard' or 'lipschitz', got {self.family!r}")
+            raise ValueError(
+                f"family must be 'standard' or 'lipschitz', got {self.family!r}"
+            )
         if self.attn_project not in ("frobenius", "token"):
             raise ValueError(
                 f"attn_project must be 'frobenius' or 'token', got {self.attn_project!r}"
@@ -88,11 +98,19 @@ class ViTConfig:
             raise ValueError(f"attn_radius must be > 0, got {self.attn_radius}")
         for name in ("v_cap", "o_cap"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}")
+                raise ValueError(
+                    f"{name} must lie in (0, 1], got {getattr(self, name)}"
+                )
         if self.family == "lipschitz" and self.qkv_bias:
-            raise ValueError("the lipschitz family has bias-free q and k: set qkv_bias=False")
-        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
-        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+            raise ValueError(
+                "the lipschitz family has bias-free q and k: set qkv_bias=False"
+            )
+        # Empty statistics mean 0.5 per channel (so every preset builds as is).
+        for name in ("mean", "std"):
+            values = (
+                tuple(float(v) for v in getattr(self, name)) or (0.5,) * self.in_chans
+            )
+            object.__setattr__(self, name, values)
         if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
             raise ValueError(
                 f"mean and std need {self.in_chans} entries (one per channel), "
@@ -127,22 +145,59 @@ class ViTConfig:
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"unknown ViTConfig fields: {sorted(unknown)}")
-        return cls(**{k: tuple(v) if k in ("mean", "std") else v for k, v in data.items()})
+        return cls(
+            **{k: tuple(v) if k in ("mean", "std") else v for k, v in data.items()}
+        )
 
 
 # Named architectures (size only: family, dataset statistics and classes are set
 # by the caller). CIFAR sizes follow SpecFormer (ViT-S-like) and LoFAST §5.2.
 PRESETS: dict[str, dict[str, Any]] = {
-    "digits-tiny": dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32,
-                        depth=2, num_heads=4, mlp_ratio=2.0),
-    "digits-small": dict(image_size=8, in_chans=1, patch_size=2, embed_dim=64,
-                         depth=3, num_heads=8, mlp_ratio=2.0),
-    "cifar-lofast-3x128": dict(image_size=32, in_chans=3, patch_size=4, embed_dim=128,
-                               depth=3, num_heads=8, mlp_ratio=2.0),
-    "cifar-lofast-6x384": dict(image_size=32, in_chans=3, patch_size=4, embed_dim=384,
-                               depth=6, num_heads=8, mlp_ratio=2.0),
-    "cifar-vit-s": dict(image_size=32, in_chans=3, patch_size=4, embed_dim=384,
-                        depth=12, num_heads=6, mlp_ratio=4.0),
+    "digits-tiny": dict(
+        image_size=8,
+        in_chans=1,
+        patch_size=2,
+        embed_dim=32,
+        depth=2,
+        num_heads=4,
+        mlp_ratio=2.0,
+    ),
+    "digits-small": dict(
+        image_size=8,
+        in_chans=1,
+        patch_size=2,
+        embed_dim=64,
+        depth=3,
+        num_heads=8,
+        mlp_ratio=2.0,
+    ),
+    "cifar-lofast-3x128": dict(
+        image_size=32,
+        in_chans=3,
+        patch_size=4,
+        embed_dim=128,
+        depth=3,
+        num_heads=8,
+        mlp_ratio=2.0,
+    ),
+    "cifar-lofast-6x384": dict(
+        image_size=32,
+        in_chans=3,
+        patch_size=4,
+        embed_dim=384,
+        depth=6,
+        num_heads=8,
+        mlp_ratio=2.0,
+    ),
+    "cifar-vit-s": dict(
+        image_size=32,
+        in_chans=3,
+        patch_size=4,
+        embed_dim=384,
+        depth=12,
+        num_heads=6,
+        mlp_ratio=4.0,
+    ),
 }
 
 

@@ -47,7 +47,9 @@ class LayerProject(nn.Module):
         self.mode = mode
 
     def forward(self, x: Tensor) -> Tensor:
-        return layer_project(x, self.radius, (-1,) if self.mode == "token" else (-2, -1))
+        return layer_project(
+            x, self.radius, (-1,) if self.mode == "token" else (-2, -1)
+        )
 
     def extra_repr(self) -> str:
         return f"radius={self.radius:g}, mode={self.mode}"
@@ -73,7 +75,12 @@ class SpectralCap(nn.Module):
         row_slice: tuple[int, int] | None = None,
     ):
         super().__init__()
-        self.cap, self.blocks, self.heads, self.row_slice = float(cap), blocks, heads, row_slice
+        self.cap, self.blocks, self.heads, self.row_slice = (
+            float(cap),
+            blocks,
+            heads,
+            row_slice,
+        )
 
     def _scale(self, B: Tensor) -> Tensor:
         sigma = spectral_norm(B)
@@ -88,13 +95,16 @@ class SpectralCap(nn.Module):
             scale = self._scale(blocks)  # (H,)
             return (blocks * scale[:, None, None]).transpose(0, 1).reshape(out_f, in_f)
         lo, hi = self.row_slice if self.row_slice else (0, out_f)
-        blocks = W[lo:hi].reshape(self.heads, (hi - lo) // self.heads, in_f)  # (H, d, in)
+        blocks = W[lo:hi].reshape(
+            self.heads, (hi - lo) // self.heads, in_f
+        )  # (H, d, in)
         capped = (blocks * self._scale(blocks)[:, None, None]).reshape(hi - lo, in_f)
         return torch.cat([W[:lo], capped, W[hi:]], dim=0)
 
 
-def capped_linear(in_features: int, out_features: int, cap: float = 1.0,
-                  bias: bool = True) -> nn.Linear:
+def capped_linear(
+    in_features: int, out_features: int, cap: float = 1.0, bias: bool = True
+) -> nn.Linear:
     """``nn.Linear`` whose weight has spectral norm ≤ ``cap`` by construction."""
     layer = nn.Linear(in_features, out_features, bias=bias)
     nn.utils.parametrize.register_parametrization(layer, "weight", SpectralCap(cap))

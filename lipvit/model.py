@@ -59,7 +59,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(D, D)
         if cfg.family == "lipschitz":
             P = nn.utils.parametrize.register_parametrization
-            P(self.qkv, "weight", SpectralCap(cfg.v_cap, "rows_per_head", H, (2 * D, 3 * D)))
+            P(
+                self.qkv,
+                "weight",
+                SpectralCap(cfg.v_cap, "rows_per_head", H, (2 * D, 3 * D)),
+            )
             P(self.proj, "weight", SpectralCap(cfg.o_cap, "cols_per_head", H))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -79,8 +83,9 @@ class Attention(nn.Module):
         H, d = self.num_heads, self.head_dim
         W = self.qkv.weight  # (3D, D)
         D = W.shape[1]
-        W_q, W_k, W_v = (W[i * D:(i + 1) * D].reshape(H, d, D).transpose(1, 2)
-                         for i in range(3))  # each (H, D, d)
+        W_q, W_k, W_v = (
+            W[i * D : (i + 1) * D].reshape(H, d, D).transpose(1, 2) for i in range(3)
+        )  # each (H, D, d)
         W_o = self.proj.weight.T.reshape(H, d, D)  # (H, d, D)
         return HeadWeights(W_q, W_k, W_v, W_o)
 
@@ -145,8 +150,11 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.patch_size = cfg.patch_size
         fan_in = cfg.in_chans * cfg.patch_size**2
-        self.proj = (capped_linear(fan_in, cfg.embed_dim) if cfg.family == "lipschitz"
-                     else nn.Linear(fan_in, cfg.embed_dim))
+        self.proj = (
+            capped_linear(fan_in, cfg.embed_dim)
+            if cfg.family == "lipschitz"
+            else nn.Linear(fan_in, cfg.embed_dim)
+        )
 
     def patches(self, x: Tensor) -> Tensor:
         """Images ``(B, C, S, S)`` to flattened patches ``(B, N-1, C·p·p)``."""
@@ -186,8 +194,11 @@ class ViT(nn.Module):
     def _init_weights(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             # A parametrised weight is computed; initialise what it is computed from.
-            weight = (m.parametrizations.weight.original
-                      if nn.utils.parametrize.is_parametrized(m, "weight") else m.weight)
+            weight = (
+                m.parametrizations.weight.original
+                if nn.utils.parametrize.is_parametrized(m, "weight")
+                else m.weight
+            )
             nn.init.trunc_normal_(weight, std=0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)

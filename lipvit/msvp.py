@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lipvit.model import Attention
 from lipvit.spectral import matrix_power_iteration
 
 
@@ -41,8 +42,13 @@ class MSVP(nn.Module):
         n_iter: power-iteration steps per call (SpecFormer: 1).
     """
 
-    def __init__(self, model: nn.Module, lambdas: tuple[float, float, float],
-                 n_iter: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        lambdas: tuple[float, float, float],
+        n_iter: int = 1,
+        seed: int = 0,
+    ):
         super().__init__()
         if any(not lam >= 0 for lam in lambdas):
             raise ValueError(f"MSVP weights must be >= 0, got {lambdas}")
@@ -52,6 +58,10 @@ class MSVP(nn.Module):
         if not self.modules_:
             raise ValueError("model has no attention module with head_weights()")
         self.n_iter = n_iter
+        # lipvit's own attention stores W_q[h]ᵀ, W_k[h]ᵀ, W_v[h]ᵀ as row blocks of
+        # the fused qkv weight: one stack of those weights gives every penalised
+        # matrix (transposed) without per-head slicing (the training hot path).
+        self._fused = all(type(m) is Attention for m in self.modules_)
         self.register_buffer("lambdas", torch.tensor(lambdas, dtype=torch.float32))
         W = self.weights()  # (L, 3, H, D, d)
         g = torch.Generator().manual_seed(seed)
@@ -63,24 +73,37 @@ class MSVP(nn.Module):
     def weights(self) -> Tensor:
         """All penalised matrices stacked: ``(L, 3, H, D, d)`` (q, k, v)."""
         try:
-            return torch.stack([torch.stack(m.head_weights()[:3]) for m in self.modules_])
+            return torch.stack(
+                [torch.stack(m.head_weights()[:3]) for m in self.modules_]
+            )
         except RuntimeError as err:
-            raise ValueError(f"attention layers differ in shape; MSVP needs one shape: {err}"
-                             ) from err
+            raise ValueError(
+                f"attention layers differ in shape; MSVP needs one shape: {err}"
+            ) from err
+
+    def weights_t(self) -> Tensor:
+        """The transposes of :meth:`weights`: ``(L, 3, H, d, D)``."""
+        if not self._fused:
+            return self.weights().mT
+        H, d = self.modules_[0].num_heads, self.modules_[0].head_dim
+        W = torch.stack([attn.qkv.weight for attn in self.modules_])  # (L, 3D, D)
+        return W.reshape(W.shape[0], 3, H, d, W.shape[-1])  # (L, 3, H, d, D)
 
     def sigma(self, update: bool = True) -> Tensor:
         """σ estimates ``uᵀ W v`` of shape ``(L, 3, H)``, differentiable through W.
 
         With ``update`` the persistent vectors first take ``n_iter`` steps.
         """
-        W = self.weights()  # (L, 3, H, D, d)
+        Wt = self.weights_t()  # (L, 3, H, d, D)
         if update:
             # Iterate on Wᵀ (d × D): its right vector is u, its left v.
-            it = matrix_power_iteration(W.detach().mT.float(), self.u, self.n_iter)
+            W_iter = Wt.detach().to(self.u.dtype)
+            it = matrix_power_iteration(W_iter, self.u, self.n_iter)
             self.u.copy_(it.v)
             self.v.copy_(it.u)
-        u, v = self.u.to(W.dtype), self.v.to(W.dtype)
-        return torch.einsum("lkhD,lkhDd,lkhd->lkh", u, W, v)  # (L, 3, H)
+        u, v = self.u.to(Wt.dtype), self.v.to(Wt.dtype)
+        Wu = (Wt @ u.unsqueeze(-1)).squeeze(-1)  # (L, 3, H, d)
+        return (Wu * v).sum(dim=-1)  # (L, 3, H)
 
     def forward(self, update: bool = True) -> tuple[Tensor, Tensor]:
         """Penalty ``Σ λ σ²`` (scalar) and the σ estimates ``(L, 3, H)`` (detached)."""

@@ -92,7 +92,9 @@ def power_iteration(
         u = Av / new_sigma.clamp_min(1e-30).reshape(new_sigma.shape + (1,) * out_ndim)
         v = _normalize(rmatvec(u), in_ndim)
         if tol is not None and sigma is not None:
-            converged = (new_sigma - sigma).abs() <= tol * new_sigma.abs().clamp_min(1e-30)
+            converged = (new_sigma - sigma).abs() <= tol * new_sigma.abs().clamp_min(
+                1e-30
+            )
             sigma = new_sigma
             if bool(converged.all()):
                 break

@@ -1,0 +1,130 @@
+"""PGD lower bound on the local deviation of a map over a Frobenius ball.
+
+Every upper bound in ``certify/`` is compared with :func:`pgd_deviation`: the
+largest ``‖fn(X') − fn(X)‖_F`` that projected gradient ascent finds with
+``‖X' − X‖_F ≤ ε`` (LoFAST §6 uses the same lower bound, MATH.md §2 "Paper
+check"). Every evaluated point lies in the ball, so the result is a **lower
+bound** of the true maximal deviation (float rounding aside); it is not a
+certificate of anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+TensorMap = Callable[[Tensor], Tensor]
+
+
+def _flat_norm(x: Tensor) -> Tensor:
+    """Per-sample ℓ2 norm of ``x`` flattened beyond the batch dimension: ``(B,)``."""
+    return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+
+
+def _per_sample(v: Tensor, like: Tensor) -> Tensor:
+    """Reshape a ``(B,)`` tensor to broadcast against ``like`` of shape ``(B, ...)``."""
+    return v.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+def _check_eps(eps: float | Tensor, X: Tensor) -> Tensor:
+    """Validate ``eps`` (scalar or ``(B,)``) and return it as a ``(B,)`` tensor."""
+    eps_t = torch.as_tensor(eps, dtype=X.dtype, device=X.device)
+    if eps_t.ndim > 1 or (eps_t.ndim == 1 and eps_t.shape[0] not in (1, X.shape[0])):
+        raise ValueError(f"eps must be a scalar or have shape ({X.shape[0]},)")
+    if bool(torch.isnan(eps_t).any()) or bool((eps_t < 0).any()):
+        raise ValueError(f"eps must be a non-negative number, got {eps}")
+    if bool(torch.isinf(eps_t).any()):
+        raise ValueError("eps must be finite")
+    return eps_t.expand(X.shape[0]).clone()
+
+
+def pgd_deviation(
+    fn: TensorMap,
+    X: Tensor,
+    eps: float | Tensor,
+    steps: int = 100,
+    restarts: int = 4,
+    step_size: float | None = None,
+    seed: int = 0,
+) -> Tensor:
+    """Largest ``‖fn(X')[b] − fn(X)[b]‖_F`` found by PGD over ``‖X'[b] − X[b]‖_F ≤ ε``.
+
+    Projected gradient *ascent* on the squared deviation, per sample: each
+    restart starts at a uniformly random point of the sphere of radius ε around
+    ``X[b]``, takes ``steps`` normalised-gradient steps
+    ``Γ ← Π_ε(Γ + α_k ∇/‖∇‖)`` (``Π_ε`` the projection onto the Frobenius ball,
+    ``α_k`` decaying from ``step_size`` on a cosine schedule to 1 % of it), and
+    the best deviation seen at any evaluated point is kept per sample. With a
+    large first step the iteration behaves like power iteration on the local
+    Jacobian, so a linear map's maximum ``ε‖W‖`` is reached.
+
+    Every evaluated point is feasible, so the result is a **lower bound** of
+    ``max_{‖X'−X‖_F≤ε} ‖fn(X') − fn(X)‖_F`` (float rounding aside).
+
+    Args:
+        fn: a batched map ``(B, *in) → (B, *out)`` whose output sample ``b``
+            depends only on input sample ``b`` (models in eval mode).
+        X: clean inputs, shape ``(B, *in)``.
+        eps: radius ε ≥ 0 (a float, or a ``(B,)`` tensor of per-sample radii).
+        steps: gradient steps per restart (≥ 0; 0 evaluates the starts only).
+        restarts: number of random starts (≥ 1).
+        step_size: first step length; defaults to 10ε (per sample): long first
+            steps make the iteration a power iteration on the local Jacobian.
+        seed: seed of the random starts (a private generator; global RNG state
+            is untouched).
+
+    Returns:
+        ``(B,)`` tensor (dtype of ``X``, detached): the best deviation found.
+
+    Raises:
+        ValueError: for negative, NaN or infinite ``eps``, ``steps < 0``,
+            ``restarts < 1``, a non-positive ``step_size``, or ``X`` without a
+            batch dimension.
+    """
+    if X.ndim < 1 or X.shape[0] == 0:
+        raise ValueError("X must have a non-empty batch dimension")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if restarts < 1:
+        raise ValueError(f"restarts must be >= 1, got {restarts}")
+    if step_size is not None and not step_size > 0:
+        raise ValueError(f"step_size must be positive, got {step_size}")
+    eps_b = _check_eps(eps, X)  # (B,)
+    X = X.detach()
+    alpha0 = 10 * eps_b if step_size is None else torch.full_like(eps_b, step_size)
+    tiny, unit = torch.finfo(X.dtype).tiny, torch.finfo(X.dtype).eps
+    gen = torch.Generator(device=X.device)
+    gen.manual_seed(seed)
+
+    with torch.no_grad():
+        Y = fn(X).detach()  # (B, *out)
+    best = torch.zeros_like(eps_b)
+
+    def project(delta: Tensor) -> Tensor:
+        # Shrink onto the ball; the factor below 1 keeps rounding inside it.
+        norm = _flat_norm(delta).clamp_min(tiny)
+        scale = (eps_b * (1 - 4 * unit) / norm).clamp(max=1)
+        return delta * _per_sample(scale, delta)
+
+    for _ in range(restarts):
+        delta = torch.randn(X.shape, generator=gen, dtype=X.dtype, device=X.device)
+        radius = eps_b / _flat_norm(delta).clamp_min(tiny)
+        delta = project(delta * _per_sample(radius, X))
+        for k in range(steps + 1):
+            with torch.enable_grad():
+                Xp = (X + delta).requires_grad_(True)
+                diff = (fn(Xp) - Y).reshape(X.shape[0], -1)  # (B, out)
+                dev2 = diff.pow(2).sum(dim=1)  # (B,)
+                grad = None
+                if k < steps:
+                    (grad,) = torch.autograd.grad(dev2.sum(), Xp)
+            best = torch.maximum(best, dev2.detach().sqrt())
+            if grad is None:
+                break
+            alpha = alpha0 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * k / steps)))
+            gnorm = _flat_norm(grad).clamp_min(tiny)
+            delta = project(delta + grad * _per_sample(alpha / gnorm, grad))
+    return best

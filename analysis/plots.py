@@ -1,0 +1,417 @@
+"""Figures from arrays: certified accuracy, tightness, spectra, Jacobian violins, t-SNE.
+
+Every function takes plain arrays, returns a :class:`matplotlib.figure.Figure`
+and writes a file only when given ``path`` (PNG unless the suffix says
+otherwise; ``pdf=True`` adds a PDF beside it). Figures are built without
+``pyplot`` on an Agg canvas: nothing is displayed, no global figure state is
+kept, and library code never needs a display.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from matplotlib import cbook, mlab
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import PercentFormatter
+
+ArrayLike = Sequence[float] | np.ndarray
+Band = tuple[ArrayLike, ArrayLike, ArrayLike]  # (mean, lo, hi)
+PathLike = str | os.PathLike
+
+DECADES = 2.0  # a value range of 10**DECADES or more gets a log axis
+
+
+def new_figure(width: float = 6.4, height: float = 4.2, nrows: int = 1, ncols: int = 1,
+               **subplot_kw) -> tuple[Figure, np.ndarray]:
+    """A constrained-layout Figure on an Agg canvas and its ``(nrows, ncols)`` axes."""
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False, **subplot_kw)
+    return fig, axes
+
+
+def save_figure(fig: Figure, path: PathLike, pdf: bool = False,
+                dpi: int = 150) -> list[Path]:
+    """Write ``fig`` to ``path`` (``.png`` appended if it has no suffix).
+
+    With ``pdf`` a ``.pdf`` is written beside it too. Returns the paths written.
+    """
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    written = [path]
+    if pdf and path.suffix.lower() != ".pdf":
+        fig.savefig(path.with_suffix(".pdf"))
+        written.append(path.with_suffix(".pdf"))
+    return written
+
+
+def spans_decades(*arrays: ArrayLike, decades: float = DECADES) -> bool:
+    """True when the positive finite values range over ``≥ 10**decades``."""
+    values = np.concatenate([np.ravel(np.asarray(a, dtype=float)) for a in arrays])
+    values = values[np.isfinite(values) & (values > 0)]
+    return values.size > 1 and values.max() >= 10**decades * values.min()
+
+
+def _vector(a: ArrayLike, n: int, what: str) -> np.ndarray:
+    v = np.asarray(a, dtype=float).ravel()
+    if v.shape[0] != n:
+        raise ValueError(f"{what} has {v.shape[0]} values, expected {n}")
+    return v
+
+
+def _math(name: str) -> str:
+    """``W_q`` → ``$W_q$``, ``W_v W_o`` → ``$W_v W_o$`` (mathtext); others unchanged."""
+    if re.fullmatch(r"W_\w+(\s*W_\w+)*", name):
+        return "$" + re.sub(r"(W_)(\w+)", r"\1{\2}", name) + "$"
+    return name
+
+
+def _finish(fig: Figure, path: PathLike | None, pdf: bool) -> Figure:
+    if path is not None:
+        save_figure(fig, path, pdf=pdf)
+    return fig
+
+
+def plot_certified_accuracy(
+    curves: Mapping[str, tuple[ArrayLike, ArrayLike]],
+    empirical: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+    *,
+    x_label: str = "ε (ℓ2)",
+    y_label: str = "accuracy",
+    title: str | None = None,
+    step: bool = False,
+    styles: Mapping[str, Mapping[str, Any]] | None = None,
+    path: PathLike | None = None,
+    pdf: bool = False,
+) -> Figure:
+    """Certified accuracy against ε (or radius), with attacks as an empirical ceiling.
+
+    Args:
+        curves: label → ``(x, certified accuracy)``, accuracies in ``[0, 1]``.
+            Drawn as solid lines (steps with ``step``, for curves over radii).
+        empirical: label → ``(ε, robust accuracy)`` under attack; drawn
+            dashed. Robust accuracy under attack is an upper bound of the true
+            robust accuracy, certified accuracy a lower bound.
+        x_label, y_label, title: axis texts.
+        step: draw ``curves`` as right-continuous steps (accuracy at radius r).
+        styles: label → matplotlib line keywords (``color``, ``marker``,
+            ``linestyle``, ...) overriding the defaults, e.g. one colour per
+            method and one marker per run.
+        path, pdf: where to save (see :func:`save_figure`).
+    """
+    if not curves and not empirical:
+        raise ValueError("nothing to plot: no curves given")
+    styles = styles or {}
+    fig, axes = new_figure()
+    ax = axes[0, 0]
+    for label, (x, acc) in curves.items():
+        x = np.asarray(x, dtype=float)
+        acc = _vector(acc, x.size, f"certified accuracy of {label!r}")
+        if step:
+            kw = {"linewidth": 1.8, **styles.get(label, {})}
+            kw.pop("marker", None)
+            ax.step(x, acc, where="post", label=label, **kw)
+        else:
+            kw = {"marker": "o", "markersize": 4, "linewidth": 1.8,
+                  **styles.get(label, {})}
+            ax.plot(x, acc, label=label, **kw)
+    for label, (x, acc) in (empirical or {}).items():
+        x = np.asarray(x, dtype=float)
+        acc = _vector(acc, x.size, f"robust accuracy of {label!r}")
+        kw = {"linestyle": "--", "marker": "x", "markersize": 5, "linewidth": 1.4,
+              "alpha": 0.9, **styles.get(label, {})}
+        ax.plot(x, acc, label=label, **kw)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlim(left=0)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+    if title:
+        ax.set_title(title)
+    return _finish(fig, path, pdf)
+
+
+def plot_tightness(
+    eps: ArrayLike,
+    bounds: Mapping[str, Band],
+    pgd: Band | None,
+    *,
+    x_label: str = "ε (ℓ2)",
+    y_label: str = "output deviation ‖F(X′) − F(X)‖",
+    title: str | None = None,
+    ratio: bool = True,
+    path: PathLike | None = None,
+    pdf: bool = False,
+) -> Figure:
+    """Upper bounds against the PGD lower bound across ε, log y (LoFAST Fig. 1).
+
+    Args:
+        eps: radii, ``(E,)``.
+        bounds: name → ``(mean, lo, hi)`` over samples, each ``(E,)``; the band
+            ``lo..hi`` is shaded (e.g. min–max or a percentile range).
+        pgd: ``(mean, lo, hi)`` of the PGD deviation (a lower bound of the
+            true maximal deviation), drawn black dashed; ``None`` to omit.
+        ratio: add a lower panel with ``bound mean / PGD mean`` per ε (log y,
+            1 marked), the tightness factor.
+        path, pdf: where to save.
+    """
+    eps = np.asarray(eps, dtype=float).ravel()
+    if not bounds:
+        raise ValueError("nothing to plot: no bounds given")
+    ratio = ratio and pgd is not None
+    fig, axes = new_figure(6.4, 6.4 if ratio else 4.2, nrows=2 if ratio else 1,
+                           sharex=True, gridspec_kw={"height_ratios": [3, 2]} if ratio
+                           else None)
+    ax = axes[0, 0]
+    means = {}
+    for name, band in bounds.items():
+        mean, lo, hi = (_vector(a, eps.size, f"bound {name!r}") for a in band)
+        (line,) = ax.plot(eps, mean, marker="o", markersize=4, label=name)
+        ax.fill_between(eps, lo, hi, color=line.get_color(), alpha=0.18, linewidth=0)
+        means[name] = (mean, line.get_color())
+    if pgd is not None:
+        p_mean, p_lo, p_hi = (_vector(a, eps.size, "pgd") for a in pgd)
+        ax.plot(eps, p_mean, color="black", linestyle="--", marker="s", markersize=3,
+                label="PGD (lower bound)")
+        ax.fill_between(eps, p_lo, p_hi, color="black", alpha=0.12, linewidth=0)
+    ax.set_yscale("log")
+    ax.set_ylabel(y_label)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize="small", loc="best")
+    if title:
+        ax.set_title(title)
+    if ratio:
+        rax = axes[1, 0]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for name, (mean, color) in means.items():
+                rax.plot(eps, mean / p_mean, marker="o", markersize=4, color=color,
+                         label=name)
+        rax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        rax.set_yscale("log")
+        rax.set_ylabel("bound / PGD")
+        rax.grid(True, which="both", alpha=0.25)
+        rax.set_xlabel(x_label)
+    else:
+        ax.set_xlabel(x_label)
+    return _finish(fig, path, pdf)
+
+
+def plot_spectra(
+    sigma: Mapping[str, Mapping[str, ArrayLike]],
+    *,
+    log: bool | None = None,
+    title: str | None = None,
+    path: PathLike | None = None,
+    pdf: bool = False,
+) -> Figure:
+    """σ_max per layer and head, checkpoints side by side (SpecFormer Fig. 2a).
+
+    Args:
+        sigma: checkpoint label → matrix name (``"W_q"``, ``"W_k"``, ``"W_v"``,
+            ``"W_v W_o"``, ...) → array ``(L, H)`` (layers × heads) or ``(L,)``.
+            One panel per matrix; bars grouped by layer, one colour per
+            checkpoint.
+        log: log y; ``None`` chooses it per panel when values span decades.
+        path, pdf: where to save.
+    """
+    if not sigma:
+        raise ValueError("nothing to plot: no checkpoints given")
+    labels = list(sigma)
+    matrices = list(dict.fromkeys(m for per in sigma.values() for m in per))
+    fig, axes = new_figure(max(6.4, 1.2 + 0.9 * _n_layers(sigma)),
+                           1.0 + 2.1 * len(matrices), nrows=len(matrices))
+    colors = [f"C{i}" for i in range(len(labels))]
+    for row, matrix in enumerate(matrices):
+        ax = axes[row, 0]
+        arrays = {}
+        for label in labels:
+            if matrix not in sigma[label]:
+                raise ValueError(f"checkpoint {label!r} has no values for {matrix!r}")
+            a = np.asarray(sigma[label][matrix], dtype=float)
+            arrays[label] = a.reshape(a.shape[0], -1)  # (L, H)
+        shapes = {a.shape for a in arrays.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"{matrix}: checkpoints have different shapes {shapes}")
+        L, H = shapes.pop()
+        width = 0.8 / len(labels)
+        for k, (label, a) in enumerate(arrays.items()):
+            pos = (np.arange(L)[:, None] * (H + 1) + np.arange(H)[None, :]).ravel()
+            ax.bar(pos + (k - (len(labels) - 1) / 2) * width, a.ravel(), width=width,
+                   color=colors[k], label=label)
+        ax.set_xticks(np.arange(L) * (H + 1) + (H - 1) / 2)
+        ax.set_xticklabels([f"block {i + 1}" for i in range(L)])
+        use_log = spans_decades(*arrays.values()) if log is None else log
+        if use_log:
+            ax.set_yscale("log")
+        ax.set_ylabel(f"σ_max({_math(matrix)})")
+        ax.grid(True, axis="y", which="both", alpha=0.25)
+        if row == 0:
+            ax.legend(fontsize="small", loc="best")
+            if title:
+                ax.set_title(title)
+    axes[-1, 0].set_xlabel(f"transformer block (bars within a block: heads 1–{H})"
+                           if H > 1 else "transformer block")
+    return _finish(fig, path, pdf)
+
+
+def _n_layers(sigma: Mapping[str, Mapping[str, ArrayLike]]) -> int:
+    return max(np.asarray(a).shape[0] for per in sigma.values() for a in per.values())
+
+
+def _kde(values: np.ndarray, coords: np.ndarray) -> np.ndarray:
+    # A Gaussian KDE; constant data (no spread) gets a flat profile.
+    if values.size < 2 or np.ptp(values) == 0:
+        return np.ones_like(coords)
+    return mlab.GaussianKDE(values, "scott").evaluate(coords)
+
+
+def plot_jacobian_violin(
+    series: Mapping[str, Mapping[str, ArrayLike]] | Mapping[str, ArrayLike],
+    *,
+    y_label: str = "σ_max of the block Jacobian",
+    log: bool | None = None,
+    title: str | None = None,
+    path: PathLike | None = None,
+    pdf: bool = False,
+) -> Figure:
+    """Per-block distributions over samples as violins (Cauchy-problem paper Fig. 3).
+
+    Args:
+        series: series label (e.g. ``"vanilla: σ_max"``, ``"MSVP: √(‖J‖₁‖J‖∞)"``)
+            → block label → per-sample values ``(n,)``; violins of one block
+            stand side by side. A plain mapping block → values is one series.
+        log: log y; ``None`` when values span decades. On a log axis the
+            densities are estimated on ``log10`` of the values, so the shapes
+            are true densities of the plotted scale.
+        path, pdf: where to save.
+    """
+    if not series:
+        raise ValueError("nothing to plot: no data given")
+    first = next(iter(series.values()))
+    if not isinstance(first, Mapping):
+        series = {"": series}  # type: ignore[dict-item]
+    blocks = list(dict.fromkeys(b for per in series.values() for b in per))
+    data = {s: {b: np.asarray(per[b], dtype=float).ravel() for b in per}
+            for s, per in series.items()}
+    all_values = [v for per in data.values() for v in per.values()]
+    if any(v.size == 0 or not np.all(np.isfinite(v)) for v in all_values):
+        raise ValueError("every block needs at least one finite value")
+    use_log = spans_decades(*all_values) if log is None else log
+    if use_log and any(np.any(v <= 0) for v in all_values):
+        raise ValueError("a log axis needs positive values")
+    fig, axes = new_figure(max(6.4, 1.5 + 1.1 * len(blocks) * max(1, len(series) / 2)),
+                           4.2)
+    ax = axes[0, 0]
+    n_series = len(data)
+    width = 0.8 / n_series
+    handles = []
+    for k, (label, per) in enumerate(data.items()):
+        color = f"C{k}"
+        pos = [blocks.index(b) + (k - (n_series - 1) / 2) * width for b in per]
+        raw = list(per.values())
+        stats = cbook.violin_stats([np.log10(v) for v in raw] if use_log else raw, _kde)
+        for st, v in zip(stats, raw, strict=True):
+            if use_log:  # densities of log10 values, drawn at the values themselves
+                st["coords"] = 10 ** np.asarray(st["coords"])
+            st.update(mean=v.mean(), median=np.median(v), min=v.min(), max=v.max())
+        parts = ax.violin(stats, positions=pos, widths=width * 0.95, showmedians=True,
+                          showextrema=True)
+        for body in parts["bodies"]:
+            body.set_facecolor(color)
+            body.set_edgecolor(color)
+            body.set_alpha(0.45)
+        for key in ("cmedians", "cmins", "cmaxes", "cbars"):
+            if key in parts:
+                parts[key].set_color(color)
+        if label:
+            handles.append(Patch(facecolor=color, alpha=0.45, label=label))
+    if use_log:
+        ax.set_yscale("log")
+    ax.set_xticks(range(len(blocks)))
+    ax.set_xticklabels(blocks)
+    ax.set_xlabel("block")
+    ax.set_ylabel(y_label)
+    ax.grid(True, axis="y", which="both", alpha=0.25)
+    if handles:
+        ax.legend(handles=handles, fontsize="small", loc="best")
+    if title:
+        ax.set_title(title)
+    return _finish(fig, path, pdf)
+
+
+def plot_tsne(
+    embedding: ArrayLike,
+    labels: ArrayLike,
+    attacked: ArrayLike,
+    *,
+    a_distance: float | None = None,
+    color_by: Literal["source", "class"] = "source",
+    attacked_label: str = "attacked",
+    title: str | None = None,
+    path: PathLike | None = None,
+    pdf: bool = False,
+) -> Figure:
+    """t-SNE of clean and attacked features (SpecFormer Fig. 2b–c).
+
+    Args:
+        embedding: ``(m, 2)`` t-SNE coordinates.
+        labels: ``(m,)`` true classes.
+        attacked: ``(m,)`` bool, the point is an attacked image's feature.
+        a_distance: shown in the title when given.
+        color_by: ``"source"``: clean green, attacked orange (the paper's
+            colours); ``"class"``: colour by class, marker by source.
+        attacked_label: legend text for attacked points (e.g. ``"PGD ε=8/255"``).
+        path, pdf: where to save.
+    """
+    emb = np.asarray(embedding, dtype=float)
+    if emb.ndim != 2 or emb.shape[1] != 2:
+        raise ValueError(f"embedding must have shape (m, 2), got {emb.shape}")
+    labels = np.asarray(labels).ravel()
+    attacked = np.asarray(attacked, dtype=bool).ravel()
+    if labels.size != emb.shape[0] or attacked.size != emb.shape[0]:
+        raise ValueError("embedding, labels and attacked need the same length")
+    fig, axes = new_figure(6.0, 5.6)
+    ax = axes[0, 0]
+    if color_by == "source":
+        for mask, name, color in ((~attacked, "clean", "tab:green"),
+                                  (attacked, attacked_label, "tab:orange")):
+            ax.scatter(emb[mask, 0], emb[mask, 1], s=9, c=color, alpha=0.7,
+                       linewidths=0, label=f"{name} (n={int(mask.sum())})")
+        ax.legend(fontsize="small", loc="best", markerscale=2)
+    elif color_by == "class":
+        classes = np.unique(labels)
+        for i, cls in enumerate(classes):
+            for mask, marker in ((~attacked, "o"), (attacked, "x")):
+                sel = mask & (labels == cls)
+                ax.scatter(emb[sel, 0], emb[sel, 1], s=10, marker=marker,
+                           c=f"C{i % 10}", alpha=0.7,
+                           linewidths=0.8 if marker == "x" else 0)
+        handles = [Patch(color=f"C{i % 10}", label=str(c))
+                   for i, c in enumerate(classes)]
+        ax.legend(handles=handles, title="class (o clean, x attacked)",
+                  fontsize="x-small", loc="best", ncols=2)
+    else:
+        raise ValueError(f"color_by must be 'source' or 'class', got {color_by!r}")
+    ax.set_xlabel("t-SNE 1")
+    ax.set_ylabel("t-SNE 2")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    parts = [title] if title else []
+    if a_distance is not None:
+        parts.append(f"A-distance (clean vs attacked) = {a_distance:.3f}")
+    if parts:
+        ax.set_title("\n".join(parts), fontsize="medium")
+    return _finish(fig, path, pdf)

@@ -1,0 +1,514 @@
+"""``report.md`` of a pipeline run: markdown tables and figures from results files.
+
+Everything here is a pure function of the JSON written by the commands
+(``lipvit train``'s summary, ``attack --json``, ``certify --json``,
+``tightness``, ``spectrum``) returning markdown text; :class:`Report` collects
+sections and writes the file. Figures are embedded by links relative to the
+report's directory, so the run directory can be moved or published as is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """A table cell: floats with ``digits`` significant digits, ``None`` as ``–``."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def pct(value: float | None) -> str:
+    """``0.934`` → ``93.4 %``."""
+    return "–" if value is None else f"{100 * value:.1f} %"
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub-flavoured markdown table (cells through :func:`fmt` unless strings)."""
+
+    def cell(v: Any) -> str:
+        return (v if isinstance(v, str) else fmt(v)).replace("|", "\\|")
+
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def command_line(args: Sequence[str], prog: str = "lipvit") -> str:
+    """``prog`` and ``args`` as one shell-quoted line."""
+    return " ".join([prog, *(shlex.quote(str(a)) for a in args)])
+
+
+@dataclass
+class Report:
+    """A markdown document built section by section.
+
+    Attributes:
+        title: the top heading.
+        root: directory of the report file; image links are made relative to it.
+    """
+
+    title: str
+    root: Path
+    parts: list[str] = field(default_factory=list)
+
+    def heading(self, text: str, level: int = 2) -> None:
+        self.parts.append("#" * level + " " + text)
+
+    def text(self, text: str) -> None:
+        self.parts.append(text.strip())
+
+    def table(self, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        self.parts.append(md_table(headers, rows))
+
+    def image(self, path: str | os.PathLike, alt: str) -> None:
+        """Embed an image by a link relative to :attr:`root` (POSIX separators)."""
+        rel = Path(os.path.relpath(Path(path), self.root)).as_posix()
+        self.parts.append(f"![{alt}]({rel})")
+
+    def code(self, lines: str | Sequence[str], lang: str = "bash") -> None:
+        body = lines if isinstance(lines, str) else "\n".join(lines)
+        self.parts.append(f"```{lang}\n{body}\n```")
+
+    def render(self) -> str:
+        return "\n\n".join([f"# {self.title}", *self.parts]) + "\n"
+
+
+# ------------------------------------------------------------------ sections
+
+
+def training_rows(summaries: Mapping[str, Mapping[str, Any]]) -> list[list[Any]]:
+    """Rows ``model, family, MSVP λ, epochs, test acc, mean σ_max(W_q,W_k,W_v), s``."""
+    rows = []
+    for name, s in summaries.items():
+        tc = s.get("train_config") or {}
+        lam = tc.get("msvp") or [0, 0, 0]
+        sig = s.get("sigma_max") or {}
+        rows.append(
+            [
+                name,
+                s.get("family"),
+                fmt(max(lam)) if any(lam) else "0",
+                s.get("epochs"),
+                pct(s.get("test_acc")),
+                sig.get("mean"),
+                sig.get("max"),
+                s.get("seconds"),
+            ]
+        )
+    return rows
+
+
+TRAINING_HEADERS = [
+    "model",
+    "family",
+    "MSVP λ",
+    "epochs",
+    "test accuracy",
+    "mean σ_max(W_q,W_k,W_v)",
+    "max σ_max",
+    "train s",
+]
+
+
+def attack_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
+    """Rows ``model, attack, ε (norm), robust accuracy`` of ``attack --json``."""
+    return [
+        [
+            name,
+            r["attack"],
+            f"{fmt(r['eps'])} ({data.get('norm')})",
+            pct(r["robust_accuracy"]),
+        ]
+        for r in data["results"]
+    ]
+
+
+def certify_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
+    """Rows ``model, method, ε, certified accuracy, s/sample, exact``."""
+    return [
+        [
+            name,
+            r["method"],
+            r["eps"],
+            pct(r["certified_accuracy"]),
+            r["seconds_per_sample"],
+            "yes" if r.get("exact", True) else "no (estimate)",
+        ]
+        for r in data["results"]
+    ]
+
+
+def radius_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
+    """Median certified radius per method (correct samples only count as certified)."""
+    samples = data.get("samples") or []
+    methods = list(dict.fromkeys(m for s in samples for m in (s.get("radii") or {})))
+    rows = []
+    for m in methods:
+        radii = sorted(float(s["radii"][m]) for s in samples)
+        mid = len(radii) // 2
+        median = radii[mid] if len(radii) % 2 else (radii[mid - 1] + radii[mid]) / 2
+        rows.append([name, m, median, max(radii)])
+    return rows
+
+
+def tightness_rows(
+    data: Mapping[str, Any], eps: Sequence[float] | None = None
+) -> tuple[list[str], list[list[Any]]]:
+    """Wide table: one row per ε, per method ``mean bound (ratio ×)``, and mean PGD."""
+    rows = data["rows"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    all_eps = sorted({r["eps"] for r in rows})
+    chosen = all_eps if eps is None else [e for e in all_eps if e in set(eps)]
+    by = {(r["method"], r["eps"]): r for r in rows}
+    headers = ["ε", "PGD (lower bound)", *methods]
+    table = []
+    for e in chosen:
+        first = by[(methods[0], e)]
+        cells = [fmt(e), fmt(first["pgd_mean"])]
+        for m in methods:
+            r = by[(m, e)]
+            cells.append(f"{fmt(r['bound_mean'])} ({r['ratio']:.4g}×)")
+        table.append(cells)
+    return headers, table
+
+
+def spectrum_rows(data: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """Per block and penalised matrix: largest-head σ_max of every checkpoint."""
+    comparison = data.get("comparison") or {}
+    rows = comparison.get("rows") or []
+    labels = list(data["weights"])
+    headers = [
+        "block",
+        "matrix",
+        *(f"σ_max {lb}" for lb in labels),
+        *(f"{lb} lower?" for lb in labels[1:]),
+    ]
+    table = [
+        [
+            r["layer"],
+            r["matrix"],
+            *(r[lb] for lb in labels),
+            *("yes" if r[f"lower: {lb}"] else "no" for lb in labels[1:]),
+        ]
+        for r in rows
+    ]
+    return headers, table
+
+
+def jacobian_rows(data: Mapping[str, Any]) -> list[list[Any]]:
+    """Per checkpoint and block: mean (std) σ_max(J_F) and mean sqrt(‖J‖₁‖J‖∞)."""
+    rows = []
+    for label, j in data["jacobian"].items():
+        for k, (m, s, e) in enumerate(
+            zip(j["sigma_mean"], j["sigma_std"], j["l1_linf_mean"], strict=True)
+        ):
+            rows.append(
+                [
+                    label,
+                    k,
+                    f"{fmt(m)} ({fmt(s, 2)})",
+                    e,
+                    "exact" if j["exact"] else "lower estimate",
+                ]
+            )
+    return rows
+
+
+def deviation_rows(data: Mapping[str, Any]) -> list[list[Any]]:
+    """Per checkpoint and ε: first-order estimate, certified bound, PGD."""
+    return [
+        [
+            r["checkpoint"],
+            r["eps"],
+            r["first_order_mean"],
+            r["certified_mean"],
+            r["pgd_mean"],
+        ]
+        for r in data.get("deviation_summary") or []
+    ]
+
+
+# ------------------------------------------------------------ the pipeline's report
+
+
+def _read(path: Path) -> Any:
+    import json
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _commands(report: Report, commands: Mapping[str, str], keys: Sequence[str]) -> None:
+    lines = [commands[k] for k in keys if k in commands]
+    if lines:
+        report.text("Reproduce:")
+        report.code(lines)
+
+
+def pipeline_report(
+    out: Path,
+    commands: Mapping[str, str],
+    record: Mapping[str, Any],
+) -> Report:
+    """The :class:`Report` of a ``lipvit pipeline`` run in directory ``out``.
+
+    Args:
+        out: the run directory (``models/``, ``attack/``, ``certify/``,
+            ``tightness/``, ``spectrum/``); the report goes to ``out/report.md``.
+        commands: step key (``"train/vanilla"``, ``"attack/msvp"``, ...) → the
+            ``lipvit`` command line of that step.
+        record: ``pipeline.json`` (settings, timings).
+
+    Sections whose results are missing are left out.
+    """
+    out = Path(out)
+    rep = Report("lipvit pipeline report", out)
+    settings = record.get("settings", {})
+    rep.text(
+        f"Dataset **{record.get('dataset', '?')}**, "
+        f"device `{record.get('device', '?')}`"
+        + (
+            " (**fast mode**: smoke-test sizes, numbers not meaningful)"
+            if record.get("fast")
+            else ""
+        )
+        + ". Three models: a vanilla standard ViT (no penalty), the same with the MSVP "
+        f"penalty (λ = {settings.get('msvp', '?')}, SpecFormer eq. 11) and a "
+        "lipschitz-family ViT (LoFAST §5.2). All perturbations are ℓ2 on images with "
+        "pixels in [0, 1]. Every command below is exactly what the pipeline ran "
+        "(it adds `--resume`/`--force` only); `lipvit pipeline --out "
+        f"{out.as_posix()}` reruns the steps whose outputs are missing."
+    )
+
+    # Training.
+    summaries = {
+        name: _read(out / "models" / f"{name}.json")
+        for name in ("vanilla", "msvp", "lipschitz")
+    }
+    summaries = {k: v for k, v in summaries.items() if v}
+    if summaries:
+        rep.heading("Training")
+        rep.table(TRAINING_HEADERS, training_rows(summaries))
+        rep.text(
+            "σ_max: exact largest singular values (dense SVD) of every head's "
+            "W_q, W_k, W_v."
+        )
+        _commands(rep, commands, [f"train/{n}" for n in summaries])
+
+    # Attacks.
+    attacks = {
+        n: _read(out / "attack" / f"{n}.json") for n in ("vanilla", "msvp", "lipschitz")
+    }
+    attacks = {k: v for k, v in attacks.items() if v}
+    if attacks:
+        rep.heading("Robust accuracy under attack")
+        first = next(iter(attacks.values()))
+        rep.text(
+            f"n = {first.get('n')} test images; clean accuracy "
+            + ", ".join(
+                f"{k} {pct(v.get('clean_accuracy'))}" for k, v in attacks.items()
+            )
+            + ". Attacks only find adversarial points, so these are upper bounds "
+            "of the true robust accuracy (the empirical ceiling of the certified "
+            "accuracy below)."
+        )
+        rows = [
+            row for name, data in attacks.items() for row in attack_rows(name, data)
+        ]
+        rep.table(["model", "attack", "ε (norm)", "robust accuracy"], rows)
+        _commands(rep, commands, [f"attack/{n}" for n in attacks])
+
+    # Certification.
+    certs = {n: _read(out / "certify" / f"{n}.json") for n in ("lipschitz", "msvp")}
+    certs = {k: v for k, v in certs.items() if v}
+    crown = _read(out / "certify" / "lipschitz-crown.json")
+    if certs or crown:
+        rep.heading("Certified accuracy")
+        rep.text(
+            "Certified: correctly classified and margin > √2·δ_out(x, ε) (LoFAST "
+            "Prop. 1), with δ_out the composed network bound. `lofast-fast` uses "
+            "power-iteration estimates and is **not** a certificate. The MSVP "
+            "model is a standard (LayerNorm) ViT: its bound goes through the local "
+            "LayerNorm constants (MATH.md §6)."
+        )
+        rows = [row for name, data in certs.items() for row in certify_rows(name, data)]
+        if rows:
+            rep.table(
+                ["model", "method", "ε", "certified accuracy", "s/sample", "exact"],
+                rows,
+            )
+        rrows = [row for name, data in certs.items() for row in radius_rows(name, data)]
+        if rrows:
+            rep.text(
+                "Certified radius per sample (lower end of the bisection bracket; "
+                "0 for misclassified samples):"
+            )
+            rep.table(["model", "method", "median radius", "max radius"], rrows)
+        for name in certs:
+            fig = out / "certify" / f"{name}.png"
+            if fig.exists():
+                rep.image(fig, f"certified accuracy of {name}")
+        if crown:
+            rep.text(
+                f"CROWN (auto_LiRPA) and the LoFAST→CROWN cascade on the lipschitz "
+                f"model, n = {crown.get('n')} (CROWN is slow on a CPU):"
+            )
+            rep.table(
+                ["model", "method", "ε", "certified accuracy", "s/sample", "exact"],
+                certify_rows("lipschitz", crown),
+            )
+        elif record.get("crown_available") is False:
+            rep.text(
+                "CROWN: auto_LiRPA is not installed, so the CROWN rows are missing "
+                "(see the README for installing it)."
+            )
+        else:
+            rep.text(
+                "CROWN and the LoFAST→CROWN cascade were not run (on a CPU CROWN takes "
+                "minutes per sample for this model); `lipvit pipeline --crown` adds "
+                "them, or run `lipvit certify --method lofast,crown,cascade` on a few "
+                "samples."
+            )
+        _commands(
+            rep,
+            commands,
+            [
+                *(f"certify/{n}" for n in certs),
+                *(f"plot/{n}" for n in certs),
+                "certify/lipschitz-crown",
+            ],
+        )
+
+    # Tightness.
+    parts = [
+        (key, _read(out / "tightness" / key / "tightness.json"))
+        for key in ("layer", "layer-residual", "network")
+    ]
+    parts = [(k, v) for k, v in parts if v]
+    if parts:
+        rep.heading("Tightness of the bounds (lipschitz model)")
+        rep.text(
+            "Mean upper bound over the samples with its ratio to the PGD lower "
+            "bound (bound/PGD ≥ 1 for a sound bound; the true maximal deviation "
+            "lies between PGD and the bound). LoFAST Fig. 1 and Table 3 "
+            "analogues; every ratio at every ε is in the CSV next to each figure."
+        )
+        titles = {
+            "layer": "One attention layer, H as in the model",
+            "layer-residual": "One attention layer with H = I (LoFAST Table 3 setting)",
+            "network": "Whole network, image to logits",
+        }
+        for key, data in parts:
+            rep.heading(titles[key], 3)
+            rep.text(
+                f"{data['description']}; n = {data['n']}, PGD "
+                f"{data['pgd']['steps']} steps × {data['pgd']['restarts']} "
+                "restarts."
+            )
+            for note in data.get("notes") or []:
+                rep.text(f"Note: {note}.")
+            headers, rows = tightness_rows(data)
+            rep.table(headers, rows)
+            bad = {m: v for m, v in (data.get("violations") or {}).items() if v}
+            if bad:
+                rep.text(
+                    f"**Warning**: bounds below PGD (unsound or estimates): {bad}."
+                )
+            trace = (data.get("traces") or {}).get("lofast")
+            if trace:
+                rep.text(
+                    "Where the composed `lofast` bound grows: the mean budget after "
+                    "each step (column ε: the input radius)."
+                )
+                rep.table(
+                    ["step", *(f"ε = {fmt(e)}" for e in data["eps"])],
+                    [
+                        [name, *(row[i] for row in trace["mean"])]
+                        for i, name in enumerate(trace["steps"])
+                    ],
+                )
+            fig = out / "tightness" / key / "tightness.png"
+            if fig.exists():
+                rep.image(fig, f"tightness ({key})")
+        _commands(rep, commands, [f"tightness/{k}" for k, _ in parts])
+
+    # Spectrum.
+    spec = _read(out / "spectrum" / "spectrum.json")
+    if spec:
+        rep.heading("Spectra: vanilla versus MSVP")
+        headers, rows = spectrum_rows(spec)
+        if rows:
+            labels = list(spec["weights"])
+            lower = {
+                lb: all(
+                    r[f"lower: {lb}"]
+                    for r in spec["comparison"]["rows"]
+                    if r["matrix"] in ("W_q", "W_k", "W_v")
+                )
+                for lb in labels[1:]
+            }
+            rep.text(
+                "Exact σ_max of the largest head per block (SpecFormer Fig. 2a). "
+                + " ".join(
+                    f"{lb} lowers the σ_max of every penalised matrix "
+                    f"(W_q, W_k, W_v) in every block: "
+                    f"**{'yes' if ok else 'no'}**."
+                    for lb, ok in lower.items()
+                )
+            )
+            rep.table(headers, rows)
+        if (out / "spectrum" / "spectra.png").exists():
+            rep.image(out / "spectrum" / "spectra.png", "weight spectra")
+        rep.text(
+            "Residual-branch Jacobians J_F (F = block − identity) at test inputs "
+            "(Cauchy-problem paper Fig. 3, Tables 1–2): mean (std) of σ_max over "
+            "the samples, and the mean of the upper bound √(‖J‖₁‖J‖∞) (eq. 16)."
+        )
+        rep.table(
+            ["model", "block", "σ_max(J) mean (std)", "√(‖J‖₁‖J‖∞) mean", "σ_max"],
+            jacobian_rows(spec),
+        )
+        if (out / "spectrum" / "jacobian.png").exists():
+            rep.image(out / "spectrum" / "jacobian.png", "block Jacobian violins")
+        dev = deviation_rows(spec)
+        if dev:
+            rep.text(
+                "Deviation of the last block's output tokens for an image "
+                "perturbation of ℓ2 norm ε: the first-order estimate "
+                "ε·gain·exp(Σ_k σ_k) (Cauchy eq. 15; gain = ‖W_pe‖/min std, exact), "
+                "the certified budget of the composed LoFAST bound at the same "
+                "place (an upper bound) and PGD (a lower bound). Means over the "
+                "samples."
+            )
+            rep.table(["model", "ε", "ε·exp(Σσ)", "certified", "PGD"], dev)
+        _commands(rep, commands, ["spectrum"])
+
+    # Timings.
+    steps = record.get("steps") or {}
+    if steps:
+        rep.heading("Timings")
+        rep.table(
+            ["step", "seconds", "status"],
+            [[k, v.get("seconds"), v.get("status", "–")] for k, v in steps.items()],
+        )
+        rep.text(f"Total over all steps: {fmt(record.get('total_seconds'))} s.")
+    return rep

@@ -1,0 +1,143 @@
+"""The multi-head self-attention map that LoFAST and SpecFormer bound (LoFAST eq. 4-6).
+
+Symbols (MATH.md §2; shapes use ``B`` batch, ``N`` tokens, ``D`` width, ``H``
+heads, ``d`` head width):
+
+=============  ==========  ===================================================
+paper          code        meaning
+=============  ==========  ===================================================
+``X``          ``X``       clean token matrix, ``(B, N, D)``
+``W_l^Q``      ``W_q``     per-head query weights, ``(H, D, d)``
+``W_l^K``      ``W_k``     per-head key weights, ``(H, D, d)``
+``W_l^V``      ``W_v``     per-head value weights, ``(H, D, d)``
+``W_l^O``      ``W_o``     per-head output weights, ``(H, d, D)``
+``P_l(X)``     ``P``       attention matrices, eq. (4), ``(B, H, N, N)``
+``W^Q W^Kᵀ``   ``W_qk``    ``A_l = W_q[h] W_k[h]ᵀ``, ``(H, D, D)``
+``W^V W^O``    ``W_vo``    ``M_l = W_v[h] W_o[h]``, ``(H, D, D)``
+``H``          residual    ``H = I`` (``residual=True``) or ``0``
+=============  ==========  ===================================================
+
+``F(X) = H X + Σ_h P_h(X) X W_v[h] W_o[h]`` (eq. 6) is exactly what
+:class:`lipvit.model.Attention` computes with its biases removed (``b_v`` and
+``b_o`` only add a constant; bounds refuse layers with ``b_q``/``b_k``), plus the
+block's residual when ``residual=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class LayerShape(NamedTuple):
+    """Sizes of one attention layer applied to a batch of token matrices."""
+
+    B: int
+    N: int
+    D: int
+    H: int
+    d: int
+
+
+def check_layer(
+    X: Tensor, W_q: Tensor, W_k: Tensor, W_v: Tensor, W_o: Tensor
+) -> LayerShape:
+    """Validate shapes, dtypes and devices of a layer and its input.
+
+    Raises:
+        ValueError: on a shape mismatch.
+        TypeError: on non-floating or mixed dtypes / devices.
+    """
+    tensors = {"X": X, "W_q": W_q, "W_k": W_k, "W_v": W_v, "W_o": W_o}
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dtype != X.dtype or t.device != X.device:
+            raise TypeError(
+                f"{name} has dtype/device {t.dtype}/{t.device}, "
+                f"X has {X.dtype}/{X.device}"
+            )
+    if X.ndim != 3:
+        raise ValueError(f"X must have shape (B, N, D), got {tuple(X.shape)}")
+    B, N, D = X.shape
+    if W_q.ndim != 3 or W_q.shape[1] != D:
+        raise ValueError(f"W_q must have shape (H, {D}, d), got {tuple(W_q.shape)}")
+    H, _, d = W_q.shape
+    for name, W, want in (("W_k", W_k, (H, D, d)), ("W_v", W_v, (H, D, d)),
+                          ("W_o", W_o, (H, d, D))):
+        if tuple(W.shape) != want:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(W.shape)}")
+    if min(B, N, D, H, d) < 1:
+        raise ValueError("all of B, N, D, H, d must be >= 1")
+    return LayerShape(B, N, D, H, d)
+
+
+def check_eps(eps: float) -> float:
+    """Return ``eps`` as a float; raise ``ValueError`` unless it is finite and ≥ 0."""
+    if isinstance(eps, Tensor):
+        if eps.numel() != 1:
+            raise ValueError(f"eps must be a scalar, got shape {tuple(eps.shape)}")
+        eps = eps.item()
+    if isinstance(eps, bool):
+        raise ValueError("eps must be a number, got a bool")
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise ValueError(f"eps must be a number, got {eps!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
+    return value
+
+
+def attention_logits(X: Tensor, W_q: Tensor, W_k: Tensor) -> Tensor:
+    """Scaled logits ``X W_q[h] (X W_k[h])ᵀ / √d`` of every head, ``(B, H, N, N)``."""
+    d = W_q.shape[-1]
+    q = torch.einsum("bnD,hDd->bhnd", X, W_q)  # (B, H, N, d)
+    k = torch.einsum("bnD,hDd->bhnd", X, W_k)  # (B, H, N, d)
+    return q @ k.transpose(-1, -2) / math.sqrt(d)  # (B, H, N, N)
+
+
+def attention_probs(X: Tensor, W_q: Tensor, W_k: Tensor) -> Tensor:
+    """Row-wise softmax attention ``P_h(X)``, LoFAST eq. (4), ``(B, H, N, N)``."""
+    return torch.softmax(attention_logits(X, W_q, W_k), dim=-1)
+
+
+def value_output(W_v: Tensor, W_o: Tensor) -> Tensor:
+    """``W_vo[h] = W_v[h] W_o[h]`` (MATH.md's ``M_l``), ``(H, D, D)``."""
+    return W_v @ W_o
+
+
+def query_key(W_q: Tensor, W_k: Tensor) -> Tensor:
+    """``W_qk[h] = W_q[h] W_k[h]ᵀ`` (MATH.md's ``A_l``, no ``1/√d``), ``(H, D, D)``."""
+    return W_q @ W_k.transpose(-1, -2)
+
+
+def attention(
+    X: Tensor,
+    W_q: Tensor,
+    W_k: Tensor,
+    W_v: Tensor,
+    W_o: Tensor,
+    residual: bool = True,
+) -> Tensor:
+    """The attention layer ``F(X) = H X + Σ_h P_h(X) X W_v[h] W_o[h]``, LoFAST eq. (6).
+
+    Args:
+        X: token matrices, ``(B, N, D)``.
+        W_q, W_k, W_v: ``(H, D, d)``; W_o: ``(H, d, D)`` (as returned by
+            :meth:`lipvit.model.Attention.head_weights`).
+        residual: ``H = I`` if true (the model's ``x + attn(x)``), else ``H = 0``.
+
+    Returns:
+        ``(B, N, D)``, differentiable in all inputs.
+    """
+    check_layer(X, W_q, W_k, W_v, W_o)
+    P = attention_probs(X, W_q, W_k)  # (B, H, N, N)
+    v = torch.einsum("bnD,hDd->bhnd", X, W_v)  # (B, H, N, d)
+    out = torch.einsum("bhnm,bhmd,hdE->bnE", P, v, W_o)  # (B, N, D)
+    return out + X if residual else out

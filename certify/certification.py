@@ -1,0 +1,70 @@
+"""Margin certification and certified radii, LoFAST Proposition 1 (MATH.md §1).
+
+If ``‖F(x') − F(x)‖₂ ≤ δ`` on the ball ``‖x' − x‖₂ ≤ ε`` then every logit
+difference moves by at most ``√2 δ``; a correctly classified point whose margin
+``M(x) = F(x)_y − max_{j≠y} F(x)_j`` exceeds ``√2 δ(x, ε)`` keeps its label on
+the whole ball.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+SQRT2 = math.sqrt(2.0)
+
+
+def margin(logits: Tensor, y: Tensor) -> Tensor:
+    """``M(x) = F(x)_y − max_{j≠y} F(x)_j``, shape ``(B,)``; negative when misclassified."""
+    true = logits.gather(1, y[:, None]).squeeze(1)
+    others = logits.scatter(1, y[:, None], float("-inf"))
+    return true - others.amax(dim=1)
+
+
+def is_certified(margins: Tensor, delta: Tensor) -> Tensor:
+    """LoFAST Prop. 1: ``M(x) > √2 δ(x, ε)`` (implies a correct prediction); ``(B,)`` bool."""
+    return (margins > 0) & (margins > SQRT2 * delta)
+
+
+def certified_radius(
+    margins: Tensor,
+    delta_out: Callable[[Tensor], Tensor],
+    *,
+    tol: float = 1e-4,
+    max_radius: float = 10.0,
+    max_iter: int = 60,
+) -> Tensor:
+    """Largest certified ε per sample, by bisection on the monotone ``δ_out(x, ε)``.
+
+    Args:
+        margins: ``(B,)`` clean margins.
+        delta_out: ``ε (B,) ↦ δ_out (B,)``, non-decreasing in ε.
+        tol: the bracket is shrunk until ``hi − lo ≤ tol`` (absolute).
+        max_radius: upper end of the search (a radius at or above it is
+            reported as ``max_radius`` only if certified there).
+        max_iter: cap on bisection steps.
+
+    Returns:
+        ``(B,)`` radii: the lower end of the final bracket, a value at which the
+        point **is** certified (0 for points that are not certified anywhere,
+        including misclassified ones). Sound: ``r > 0`` implies certification on
+        the ball of radius ``r``.
+    """
+    if not tol > 0 or not max_radius > 0:
+        raise ValueError("tol and max_radius must be > 0")
+    lo = torch.zeros_like(margins)
+    hi = torch.full_like(margins, max_radius)
+    top = is_certified(margins, delta_out(hi))
+    lo = torch.where(top, hi, lo)
+    for _ in range(max_iter):
+        open_ = (hi - lo > tol) & ~top & (margins > 0)
+        if not bool(open_.any()):
+            break
+        mid = (lo + hi) / 2
+        ok = is_certified(margins, delta_out(mid))
+        lo = torch.where(open_ & ok, mid, lo)
+        hi = torch.where(open_ & ~ok, mid, hi)
+    return torch.where(margins > 0, lo, torch.zeros_like(lo))

@@ -1,0 +1,801 @@
+"""LoFAST: local sensitivity bounds of one attention layer (Havens et al., Theorem 1).
+
+``‖F(X') − F(X)‖_F ≤ ζ(X) ε + δ2(X, ε)`` for every ``‖X' − X‖_F ≤ ε``, with
+``F(X) = H X + Σ_h P_h(X) X W_v[h] W_o[h]`` (:func:`certify.attention.attention`).
+
+Symbols (MATH.md §2; shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H``
+heads, ``d`` head width):
+
+===================  =================  =========================================
+paper                code               meaning, equation
+===================  =================  =========================================
+``Γ = X' − X``       ``Gamma``          input perturbation, ``(B, N, D)``
+``M_l = W^V W^O``    ``W_vo``           ``(H, D, D)``
+``A_l = W^Q W^Kᵀ``   ``W_qk``           ``(H, D, D)`` (``1/√d`` kept outside)
+``ζ(X)``             ``zeta``           key sensitivity metric, eq. (15), Lemma 1
+``δ1^(naive)``       ``delta_1_naive``  eq. (12)
+``M_l(X)``           ``lemma2_*``       ``Γ ↦ Γ A_l Xᵀ + X A_l Γᵀ``, eq. (25)
+``ξ_l(X)``           ``xi``             ``‖A_l Xᵀ‖ + ‖X A_l‖``, eq. (26)
+``δ2^(1)``           ``delta_2_tight``  eq. (27)
+``δ2^(2)``           ``delta_2_fast``   eq. (28)
+===================  =================  =========================================
+
+Vectorisation: the paper's ``vec(Γᵀ)`` is the row-major flattening of ``Γ``
+(``Γ.reshape(N*D)``); every dense matrix here acts on that vector.
+
+Extensions beyond the paper (MATH.md §2, proved in the docstrings and tested
+against PGD):
+
+* ``delta_2_half``: row-wise softmax has the symmetric PSD Jacobian
+  ``diag(p) − ppᵀ`` whose eigenvalues are at most ``max_i 2p_i(1 − p_i) ≤ ½``
+  (Gershgorin), so softmax is ½-Lipschitz and δ2^(1) halves.
+* ``delta_2_local`` (:func:`softmax_local_constant`): the same Jacobian is
+  also ``≼ diag(p)``, so its norm is at most ``max_i p_i``; along the segment
+  from the clean to the perturbed logits every probability stays within a
+  factor ``e^{±s}`` of its clean value, ``s`` a bound on the spread of the logit
+  change. This gives a local softmax constant ``c_h ≤ ½``, often ``≈ 1/N`` for
+  diffuse attention. In addition ``(P' − P) 1 = 0``, so ``X'`` may be replaced
+  by its token-centred version ``Π X'`` (``Π = I − 11ᵀ/N``), and each row of
+  ``P' − P`` has norm at most ``√2``.
+
+Exact versus estimated norms. ζ is the largest singular value of an
+``(N·D) × (N·D)`` matrix and ``‖M_l(X)‖`` that of an ``N² × (N·D)`` matrix.
+``exact=True`` returns guaranteed upper bounds (float rounding in forming the
+Gram matrices aside):
+
+* Gram size ``n ≤ EIGVALSH_MAX_N`` (256): dense Gram matrix, ``eigvalsh``.
+* larger: a matrix-free power-iteration estimate ``σ_est`` (from below), then a
+  certificate ``λ_max(G) ≤ μ = σ_est²(1 + τ)`` proved by a successful Cholesky
+  factorisation of ``μ I − G`` shifted by a Rump-type rounding margin
+  (:func:`certified_lambda_max`); ``τ`` starts at ``max(1e-7, 2r)``, ``r`` the
+  relative eigen-residual of the estimate, and grows tenfold until the
+  factorisation succeeds (``eigvalsh`` if ``τ`` would exceed 0.1). The
+  iteration budget only affects tightness (``τ``) and time, never soundness.
+  A Cholesky costs ``n³/3`` flops, BLAS-3; ``eigvalsh`` (tridiagonalisation)
+  was 10-40× slower on the 2-core development machine (n = 2080: 0.45 s vs
+  6 s; n = 8320, ζ of the LoFAST 128-wide layer: 16 s vs minutes), so the
+  crossover is small: ``EIGVALSH_MAX_N = 256``, below which the estimate
+  would cost more than the eigensolver. ζ's Gram matrix ``KᵀK`` is formed as
+  ``Σ_{h,g} (P_hᵀ P_g) ⊗ (W_vo[h] W_vo[g]ᵀ)``, one GEMM (:func:`sensitivity_gram`),
+  one sample at a time (``(N·D)²`` floats: 0.55 GB at N = 65, D = 128).
+  ``‖M_l(X)‖`` is computed on a reduced operator: ``Γ`` enters only through
+  ``Γ [W_q W_k]``, so with ``Q`` an orthonormal basis of the columns of
+  ``[W_q[h], W_k[h]]`` the Gram size is ``N · min(2d, D)`` instead of ``N·D``
+  (:func:`lemma2_reduced_factors`).
+
+``exact=False`` never forms a matrix larger than ``(N, N)`` or ``(D, D)``: ζ
+and ``‖M_l(X)‖`` come from :func:`lipvit.spectral.power_iteration` on the
+operators below (estimates from below, labelled so). The small norms
+(``‖X W_vo‖``, ``‖W_vo‖``, ``‖W_qk‖``, ``‖P_h‖``, ξ) are exact dense SVDs in both
+modes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from certify.attention import (
+    attention_logits,
+    check_eps,
+    check_layer,
+    query_key,
+    value_output,
+)
+from lipvit.spectral import power_iteration, spectral_norm
+
+Op = Callable[[Tensor], Tensor]
+
+EIGVALSH_MAX_N = 256
+"""Largest Gram size solved by ``eigvalsh``; above it, the Cholesky certificate."""
+
+
+@dataclass(frozen=True)
+class LoFASTBound:
+    """LoFAST Theorem 1 for a batch of inputs; every tensor has shape ``(B,)``.
+
+    With ``exact=True`` each number is a guaranteed upper bound of what it names
+    (float rounding aside); with ``exact=False`` ζ and ``‖M_h(X)‖`` are
+    power-iteration estimates from below and so are every quantity built on
+    them.
+
+    Attributes:
+        zeta: ζ(X), eq. (15).
+        delta_1: ``ζ ε``, the exact maximum of Δ1 (Lemma 1).
+        delta_1_naive: eq. (12), ``(‖H‖ + Σ_h ‖W_vo[h]‖ ‖P_h(X)‖) ε`` (≥ ζε).
+        delta_2_tight: δ2^(1), eq. (27), with ``‖M_h(X)‖`` of Lemma 2.
+        delta_2_fast: δ2^(2), eq. (28), with ξ_h of eq. (26).
+        delta_2_half: ``delta_2_tight / 2`` (softmax is ½-Lipschitz; extension).
+        delta_2_local: local softmax constant, centred tokens (extension).
+        total: ``ζ ε + delta_2_tight`` (Theorem 1).
+        total_fast: ``ζ ε + delta_2_fast``.
+        total_half: ``ζ ε + delta_2_half``.
+        total_local: ``ζ ε + delta_2_local`` (extension; the tightest bound here).
+        eps: the radius ε of each sample.
+        method: how ζ and ``‖M_h(X)‖`` were obtained.
+        exact: whether every number is a guaranteed upper bound.
+    """
+
+    zeta: Tensor
+    delta_1: Tensor
+    delta_1_naive: Tensor
+    delta_2_tight: Tensor
+    delta_2_fast: Tensor
+    delta_2_half: Tensor
+    delta_2_local: Tensor
+    total: Tensor
+    total_fast: Tensor
+    total_half: Tensor
+    total_local: Tensor
+    eps: Tensor
+    method: str
+    exact: bool
+
+
+@dataclass(frozen=True)
+class NormBound:
+    """A spectral norm and how it was obtained (``method``, ``exact``)."""
+
+    value: Tensor
+    method: str
+    exact: bool
+
+
+# --------------------------------------------------------------------------
+# Operators (Lemma 1 and Lemma 2), matrix-free and dense.
+# --------------------------------------------------------------------------
+
+
+def sensitivity_matvec(
+    Gamma: Tensor, P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool
+) -> Tensor:
+    """``A(Γ) = H Γ + Σ_h P_h Γ W_v[h] W_o[h]``, the linear term Δ1 of eq. (10).
+
+    Args:
+        Gamma: ``(B, N, D)``.
+        P: attention matrices ``(B, H, N, N)``.
+        W_v: ``(H, D, d)``; W_o: ``(H, d, D)``.
+        residual: ``H = I`` if true, else ``H = 0``.
+
+    Returns:
+        ``(B, N, D)``.
+    """
+    H, D, d = W_v.shape
+    B, N, _ = Gamma.shape
+    GV = (Gamma @ W_v.transpose(0, 1).reshape(D, H * d)).reshape(B, N, H, d)
+    PGV = P @ GV.transpose(1, 2)  # (B, H, N, d) = P_h Γ W_v[h]
+    out = PGV.transpose(1, 2).reshape(B, N, H * d) @ W_o.reshape(H * d, D)  # (B, N, D)
+    return out + Gamma if residual else out
+
+
+def sensitivity_rmatvec(
+    Y: Tensor, P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool
+) -> Tensor:
+    """Adjoint ``A*(Y) = Hᵀ Y + Σ_h P_hᵀ Y W_o[h]ᵀ W_v[h]ᵀ`` of the above."""
+    H, D, d = W_v.shape
+    B, N, _ = Y.shape
+    YO = (Y @ W_o.reshape(H * d, D).T).reshape(B, N, H, d)  # Y W_o[h]ᵀ
+    PYO = P.transpose(-1, -2) @ YO.transpose(1, 2)  # (B, H, N, d)
+    W_v_cat = W_v.transpose(0, 1).reshape(D, H * d)  # (D, H·d) = [W_v[1] … W_v[H]]
+    out = PYO.transpose(1, 2).reshape(B, N, H * d) @ W_v_cat.T  # (B, N, D)
+    return out + Y if residual else out
+
+
+def sensitivity_matrix(P: Tensor, W_vo: Tensor, residual: bool) -> Tensor:
+    """Dense ``H ⊗ I_D + Σ_h P_h ⊗ W_vo[h]ᵀ`` of eq. (15), ``(B, N·D, N·D)``.
+
+    Acts on ``vec(Γᵀ) = Γ.reshape(N·D)``; ``W_vo = W_v W_o`` (``(H, D, D)``,
+    :func:`certify.attention.value_output`). For tests and tiny sizes.
+    """
+    B, H, N, _ = P.shape
+    D = W_vo.shape[-1]
+    K = torch.einsum("bhnm,hca->bnamc", P, W_vo)  # (B, N, D, N, D)
+    if residual:
+        eye = torch.eye(N * D, dtype=P.dtype, device=P.device)
+        return K.reshape(B, N * D, N * D) + eye
+    return K.reshape(B, N * D, N * D)
+
+
+def sensitivity_gram(P: Tensor, W_vo: Tensor, residual: bool) -> Tensor:
+    """Gram matrix ``KᵀK`` of :func:`sensitivity_matrix`, ``(B, N·D, N·D)``.
+
+    With ``K = Σ_h P_h ⊗ W_vo[h]ᵀ`` (``P_0 = H``, ``W_vo[0] = I`` for the
+    residual), ``KᵀK = Σ_{h,g} (P_hᵀ P_g) ⊗ (W_vo[h] W_vo[g]ᵀ)``: one GEMM over
+    the ``(H+1)²`` head pairs instead of a product of two ``N·D`` matrices.
+    """
+    B, H, N, _ = P.shape
+    D = W_vo.shape[-1]
+    if residual:
+        eye_n = torch.eye(N, dtype=P.dtype, device=P.device).expand(B, 1, N, N)
+        P = torch.cat([eye_n, P], dim=1)  # (B, H+1, N, N)
+        eye_d = torch.eye(D, dtype=W_vo.dtype, device=W_vo.device)[None]
+        W_vo = torch.cat([eye_d, W_vo], dim=0)  # (H+1, D, D)
+    PP = torch.einsum("bhij,bgik->bhgjk", P, P)  # (B, H', H', N, N)
+    MM = torch.einsum("hae,gce->hgac", W_vo, W_vo)  # (H', H', D, D)
+    G = torch.einsum("bhgjk,hgac->bjakc", PP, MM)  # (B, N, D, N, D)
+    return G.reshape(B, N * D, N * D)
+
+
+def lemma2_op(G: Tensor, C: Tensor, E: Tensor) -> Tensor:
+    """``L(G) = G Cᵀ + E Gᵀ``, Lemma 2's map factored: ``(..., N, r) → (..., N, N)``.
+
+    With ``C = X A_hᵀ`` and ``E = X A_h`` (``r = D``) this is
+    ``Γ ↦ Γ A_h Xᵀ + X A_h Γᵀ = M_h(X) Γ`` (eq. 25); with the reduced factors of
+    :func:`lemma2_reduced_factors` it has the same norm on ``r ≤ 2d`` columns.
+    """
+    return G @ C.transpose(-1, -2) + E @ G.transpose(-1, -2)
+
+
+def lemma2_op_adjoint(Y: Tensor, C: Tensor, E: Tensor) -> Tensor:
+    """Adjoint of :func:`lemma2_op`, ``Y ↦ Y C + Yᵀ E``, ``(..., N, N) → (..., N, r)``.
+    """
+    return Y @ C + Y.transpose(-1, -2) @ E
+
+
+def lemma2_factors(X: Tensor, W_qk: Tensor) -> tuple[Tensor, Tensor]:
+    """Full-space factors ``C = X A_hᵀ``, ``E = X A_h``, each ``(B, H, N, D)``."""
+    C = torch.einsum("bnD,hED->bhnE", X, W_qk)  # (B, H, N, D) = X Aᵀ
+    E = torch.einsum("bnD,hDE->bhnE", X, W_qk)  # (B, H, N, D) = X A
+    return C, E
+
+
+def lemma2_matvec(Gamma: Tensor, X: Tensor, W_qk: Tensor) -> Tensor:
+    """``M_h(X) Γ_h = Γ_h A_h Xᵀ + X A_h Γ_hᵀ`` for every head, Lemma 2 / eq. (25).
+
+    Args:
+        Gamma: ``(B, H, N, D)`` (one input per head).
+        X: ``(B, N, D)``.
+        W_qk: ``A_h``, ``(H, D, D)``.
+
+    Returns:
+        ``(B, H, N, N)``: the first-order change of the (unscaled) logits.
+    """
+    return lemma2_op(Gamma, *lemma2_factors(X, W_qk))
+
+
+def lemma2_rmatvec(Y: Tensor, X: Tensor, W_qk: Tensor) -> Tensor:
+    """Adjoint of :func:`lemma2_matvec`: ``Y ↦ Y X A_hᵀ + Yᵀ X A_h``, ``(B, H, N, D)``.
+    """
+    return lemma2_op_adjoint(Y, *lemma2_factors(X, W_qk))
+
+
+def lemma2_matrix(X: Tensor, W_qk: Tensor) -> Tensor:
+    """Dense ``M_h(X)`` of eq. (25), ``(B, H, N², N·D)``; for tests and tiny sizes.
+
+    Row ``(i, j)`` (row-major) holds ``β_ij = Γ_iᵀ A x_j + x_iᵀ A Γ_j`` as a
+    linear form of ``vec(Γᵀ) = Γ.reshape(N·D)``.
+    """
+    B, N, D = X.shape
+    H = W_qk.shape[0]
+    eye = torch.eye(N, dtype=X.dtype, device=X.device)
+    AX = torch.einsum("hDE,bjE->bhjD", W_qk, X)  # (B, H, N, D): row j = (A x_j)ᵀ
+    AtX = torch.einsum("hED,biE->bhiD", W_qk, X)  # (B, H, N, D): row i = (Aᵀ x_i)ᵀ
+    first = torch.einsum("ik,bhjD->bhijkD", eye, AX)  # Γ_i term: δ_ik (A x_j)
+    second = torch.einsum("jk,bhiD->bhijkD", eye, AtX)  # Γ_j term: δ_jk (Aᵀ x_i)
+    return (first + second).reshape(B, H, N * N, N * D)
+
+
+def lemma2_reduced_factors(
+    X: Tensor, W_q: Tensor, W_k: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``C = X A_hᵀ Q_h``, ``E = X A_h Q_h``, each ``(B, H, N, r)``, ``r = min(2d, D)``.
+
+    ``M_h(X) Γ`` depends on ``Γ`` only through ``Γ W_q[h]`` and ``Γ W_k[h]``. With
+    ``Q_h`` (``D × r``) orthonormal columns spanning a space that contains the
+    columns of ``[W_q[h], W_k[h]]`` (Householder QR), ``Γ A_h = Γ Q_h Q_hᵀ A_h``
+    and ``A_h Γᵀ = A_h Q_h Q_hᵀ Γᵀ``, so ``M_h(X) Γ = L(Γ Q_h)`` with
+    :func:`lemma2_op`. ``Γ ↦ Γ Q_h`` maps the unit Frobenius ball onto the unit
+    ball of ``R^{N×r}`` (``G ↦ G Q_hᵀ`` is an isometric right inverse), hence
+    ``‖M_h(X)‖ = ‖L‖`` exactly.
+    """
+    H, D, d = W_q.shape
+    W_qk = query_key(W_q, W_k)  # (H, D, D)
+    C, E = lemma2_factors(X, W_qk)  # (B, H, N, D) each
+    if 2 * d >= D:
+        return C, E
+    Q = torch.linalg.qr(torch.cat([W_q, W_k], dim=-1)).Q  # (H, D, 2d)
+    return C @ Q, E @ Q  # (B, H, N, 2d) each
+
+
+def lemma2_gram(C: Tensor, E: Tensor) -> Tensor:
+    """Gram matrix of :func:`lemma2_op` on ``vec(G)`` (row-major), ``(..., N·r, N·r)``.
+
+    ``‖G Cᵀ + E Gᵀ‖_F² = Σ_i g_iᵀ(CᵀC + EᵀE)g_i + 2 Σ G_ib G_jk C_jb E_ik``, i.e.
+    the Gram matrix is ``I_N ⊗ (CᵀC + EᵀE) + T + Tᵀ`` with
+    ``T[(i,b),(j,k)] = C_jb E_ik``.
+    """
+    *batch, N, r = C.shape
+    eye = torch.eye(N, dtype=C.dtype, device=C.device)
+    inner = C.transpose(-1, -2) @ C + E.transpose(-1, -2) @ E  # (..., r, r)
+    diag = torch.einsum("ij,...bk->...ibjk", eye, inner)  # (..., N, r, N, r)
+    T = torch.einsum("...jb,...ik->...ibjk", C, E)  # (..., N, r, N, r)
+    G = diag + T + T.permute(*range(len(batch)), -2, -1, -4, -3)
+    return G.reshape(*batch, N * r, N * r)
+
+
+# --------------------------------------------------------------------------
+# Estimates and certified largest eigenvalues.
+# --------------------------------------------------------------------------
+
+
+def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7) -> float:
+    """Guaranteed upper bound of ``λ_max(G)`` for a symmetric PSD ``G``, ``(n, n)``.
+
+    For ``μ = lower · (1 + τ)``, ``τ = τ0, 10 τ0, …, ≤ 0.1``: if a floating-point
+    Cholesky factorisation of ``μ I − G − c I`` runs to completion, then
+    ``μ I − G`` is positive definite and ``λ_max(G) < μ``. Cholesky's backward
+    error is ``|ΔA| ≤ γ_{n+1} d dᵀ`` with ``d_i² `` the diagonal of the factored
+    matrix (Demmel 1989; Rump, "Verification of positive definiteness", BIT
+    2006), so ``‖ΔA‖ ≤ γ_{n+1} tr``; the margin
+    ``c = 2 γ_{n+2}/(1 − 2γ_{n+2}) · tr(μ I − G)`` (``γ_k = k u/(1 − k u)``)
+    exceeds it with a factor 2 to spare. If every ``τ`` fails, falls back to
+    ``eigvalsh``. ``G`` is negated in place during the call and restored
+    exactly.
+
+    Args:
+        G: symmetric PSD matrix, float64.
+        lower: an estimate of ``λ_max(G)`` (ideally from below; any value is
+            sound, a poor one only costs time).
+        tau0: first relative increment tried.
+
+    Returns:
+        A float ``≥ λ_max(G)`` (float rounding in forming ``G`` itself aside).
+    """
+    assert G.dtype == torch.float64 and G.ndim == 2
+    n = G.shape[0]
+    u = torch.finfo(torch.float64).eps / 2
+    gamma = (n + 2) * u / (1 - (n + 2) * u)
+    tiny = torch.finfo(torch.float64).tiny
+    scale = max(float(G.diagonal().max()), tiny)
+    lower = max(float(lower), 0.0)
+    tau = max(float(tau0), 1e-12)
+    G.neg_()  # exact; undone in `finally`
+    diag = G.diagonal().clone()  # −G_ii
+    try:
+        while tau <= 0.1:
+            mu = lower * (1 + tau) + tau * 1e-12 * scale
+            trace_A = float((diag + mu).clamp_min(0).sum())  # tr(μI − G)
+            margin = 2 * gamma / (1 - 2 * gamma) * trace_A + 1e3 * tiny
+            G.diagonal().copy_(diag + (mu - margin))  # μI − G − cI, rounded once
+            _, info = torch.linalg.cholesky_ex(G)
+            if int(info) == 0:
+                return mu
+            tau *= 10
+    finally:
+        G.diagonal().copy_(diag)
+        G.neg_()
+    return float(torch.linalg.eigvalsh(G)[-1].clamp_min(0))
+
+
+class _Estimate(NamedTuple):
+    """Power-iteration estimate σ (from below) and the relative Gram residual."""
+
+    sigma: Tensor
+    residual: Tensor
+
+
+def _estimate(
+    matvec: Op, rmatvec: Op, start: Tensor, n_iter: int, tol: float
+) -> _Estimate:
+    """σ_max estimate by :func:`lipvit.spectral.power_iteration` on 2-d operands.
+
+    ``residual = ‖AᵀA v − σ² v‖ / σ²`` at the final unit ``v`` with ``σ = ‖A v‖``:
+    when ``v`` has converged to the top singular vector, ``λ_max(AᵀA) − σ²``
+    is at most ``residual · σ²`` — a heuristic start for the certificate's ``τ``.
+    """
+    est = power_iteration(matvec, rmatvec, start, n_iter,
+                          in_ndim=2, out_ndim=2, tol=tol)
+    Av = matvec(est.v)
+    lam = Av.pow(2).sum(dim=(-2, -1))  # Rayleigh quotient of AᵀA
+    res = (rmatvec(Av) - lam[..., None, None] * est.v).pow(2).sum(dim=(-2, -1)).sqrt()
+    sigma = torch.maximum(est.sigma, lam.sqrt())
+    return _Estimate(sigma, res / lam.clamp_min(torch.finfo(lam.dtype).tiny))
+
+
+def _certified_sigma(grams: Tensor, est: _Estimate) -> Tensor:
+    """σ_max upper bounds from Gram matrices ``(k, n, n)`` and estimates ``(k,)``."""
+    values = [certified_lambda_max(grams[i], float(est.sigma[i]) ** 2,
+                                   max(1e-7, 2 * float(est.residual[i])))
+              for i in range(grams.shape[0])]
+    return torch.tensor(values, dtype=torch.float64, device=grams.device).sqrt()
+
+
+def _dense_sigma(grams: Tensor) -> Tensor:
+    """σ_max from Gram matrices by ``eigvalsh`` (exact, float rounding aside)."""
+    return torch.linalg.eigvalsh(grams)[..., -1].clamp_min(0).sqrt()
+
+
+def _start(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Deterministic random start vector (private generator, global RNG untouched)."""
+    gen = torch.Generator(device=like.device)
+    gen.manual_seed(0)
+    return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
+
+
+def _round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Cast ``x`` to ``dtype``, moving values that rounded down up by one ulp."""
+    y = x.to(dtype)
+    if dtype == x.dtype:
+        return y
+    above = torch.nextafter(y, torch.full_like(y, math.inf))
+    return torch.where(y.to(x.dtype) < x, above, y)
+
+
+def _method(n: int, exact: bool) -> str:
+    if not exact:
+        return "power iteration (estimate)"
+    if n <= EIGVALSH_MAX_N:
+        return f"dense eigvalsh (Gram size {n})"
+    return f"power iteration + Cholesky certificate (Gram size {n})"
+
+
+# --------------------------------------------------------------------------
+# ζ (Lemma 1) and ‖M_h(X)‖ (Lemma 2).
+# --------------------------------------------------------------------------
+
+
+def _key_sensitivity(
+    P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool, exact: bool,
+    n_iter: int, tol: float,
+) -> NormBound:
+    """ζ, ``(B,)``, from attention matrices ``P (B, H, N, N)`` (dtype of ``P``)."""
+    B, H, N, _ = P.shape
+    D = W_v.shape[1]
+    n = N * D
+    method = _method(n, exact)
+    if exact and n <= EIGVALSH_MAX_N:
+        gram = sensitivity_gram(P, value_output(W_v, W_o), residual)  # (B, n, n)
+        return NormBound(_dense_sigma(gram), method, True)
+    est = _estimate(lambda G: sensitivity_matvec(G, P, W_v, W_o, residual),
+                    lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
+                    _start((B, N, D), P), n_iter, tol)
+    if not exact:
+        return NormBound(est.sigma, method, False)
+    W_vo = value_output(W_v, W_o)  # (H, D, D)
+    values = [_certified_sigma(sensitivity_gram(P[b:b + 1], W_vo, residual),  # (1,n,n)
+                               _Estimate(est.sigma[b:b + 1], est.residual[b:b + 1]))
+              for b in range(B)]  # one (N·D)² Gram matrix at a time
+    return NormBound(torch.cat(values), method, True)
+
+
+def key_sensitivity(
+    X: Tensor,
+    W_q: Tensor,
+    W_k: Tensor,
+    W_v: Tensor,
+    W_o: Tensor,
+    residual: bool = True,
+    exact: bool = True,
+    n_iter: int = 1000,
+    tol: float = 1e-9,
+) -> NormBound:
+    """Key sensitivity metric ζ(X), LoFAST Lemma 1, eq. (15).
+
+    ``ζ(X) = ‖H ⊗ I + Σ_h P_h(X) ⊗ (W_v[h] W_o[h])ᵀ‖ = max_{‖Γ‖_F ≤ 1} ‖A(Γ)‖_F``
+    (:func:`sensitivity_matvec`); ``ζ ε`` is the exact maximum of Δ1 over the
+    ε-ball.
+
+    Args:
+        X: ``(B, N, D)``; W_q, W_k, W_v: ``(H, D, d)``; W_o: ``(H, d, D)``.
+        residual: ``H = I`` if true, else ``H = 0``.
+        exact: guaranteed upper bound (float64 internally; see the module
+            docstring) if true; matrix-free power-iteration estimate from below
+            (in ``X.dtype``) if false.
+        n_iter, tol: power-iteration budget and relative tolerance.
+
+    Returns:
+        :class:`NormBound` with ``value`` of shape ``(B,)`` in ``X.dtype``.
+    """
+    check_layer(X, W_q, W_k, W_v, W_o)
+    work = torch.float64 if exact else X.dtype
+    Xw, Wq, Wk, Wv, Wo = (t.to(work) for t in (X, W_q, W_k, W_v, W_o))
+    P = torch.softmax(attention_logits(Xw, Wq, Wk), dim=-1)  # (B, H, N, N)
+    out = _key_sensitivity(P, Wv, Wo, residual, exact, n_iter, tol)
+    return NormBound(_round_up(out.value, X.dtype), out.method, out.exact)
+
+
+def _lemma2_norm(
+    X: Tensor, W_q: Tensor, W_k: Tensor, exact: bool, n_iter: int, tol: float
+) -> NormBound:
+    """‖M_h(X)‖ for every head, ``(B, H)``, in the dtype of ``X``."""
+    B, N, D = X.shape
+    C, E = lemma2_reduced_factors(X, W_q, W_k)  # (B, H, N, r) each
+    n = N * C.shape[-1]
+    method = _method(n, exact)
+    if exact and n <= EIGVALSH_MAX_N:
+        return NormBound(_dense_sigma(lemma2_gram(C, E)), method, True)
+    est = _estimate(lambda G: lemma2_op(G, C, E), lambda Y: lemma2_op_adjoint(Y, C, E),
+                    _start(C.shape, X), n_iter, tol)
+    if not exact:
+        return NormBound(est.sigma, method, False)
+    values = [_certified_sigma(lemma2_gram(C[b], E[b]),  # (H, n, n)
+                               _Estimate(est.sigma[b], est.residual[b]))
+              for b in range(B)]
+    return NormBound(torch.stack(values), method, True)
+
+
+def lemma2_norm(
+    X: Tensor,
+    W_q: Tensor,
+    W_k: Tensor,
+    exact: bool = True,
+    n_iter: int = 1000,
+    tol: float = 1e-9,
+) -> NormBound:
+    """``‖M_h(X)‖`` of LoFAST Lemma 2 (eq. 25) for every head.
+
+    ``max_{‖Γ‖_F ≤ ε} ‖Γ A_h Xᵀ + X A_h Γᵀ‖_F = ‖M_h(X)‖ ε`` (``A_h = W_q W_kᵀ``,
+    without the ``1/√d``).
+
+    Args:
+        X: ``(B, N, D)``; W_q, W_k: ``(H, D, d)``.
+        exact: guaranteed upper bound if true (reduced Gram matrix, see
+            :func:`lemma2_reduced_factors`), else a power-iteration estimate
+            from below on the same reduced operator.
+        n_iter, tol: power-iteration budget and relative tolerance.
+
+    Returns:
+        :class:`NormBound` with ``value`` of shape ``(B, H)`` in ``X.dtype``.
+    """
+    if (X.ndim != 3 or W_q.ndim != 3 or W_k.shape != W_q.shape
+            or X.shape[-1] != W_q.shape[1]):
+        raise ValueError("expected X (B, N, D) and W_q, W_k (H, D, d)")
+    work = torch.float64 if exact else X.dtype
+    out = _lemma2_norm(X.to(work), W_q.to(work), W_k.to(work), exact, n_iter, tol)
+    return NormBound(_round_up(out.value, X.dtype), out.method, out.exact)
+
+
+# --------------------------------------------------------------------------
+# Softmax: local Lipschitz constant (extension).
+# --------------------------------------------------------------------------
+
+
+def softmax_local_constant(logits: Tensor, logit_radius: Tensor) -> Tensor:
+    """Local Lipschitz constant of row-wise softmax over reachable logits (extension).
+
+    For a row with logits ``z`` and any change ``Δ`` with ``‖Δ‖_2 ≤ ρ``,
+    ``‖softmax(z + Δ) − softmax(z)‖ ≤ c ‖Δ‖`` with ``c`` returned here. Proof:
+    on the segment ``z + tΔ`` the Jacobian ``J = diag(p) − ppᵀ`` is symmetric
+    PSD, ``J ≼ diag(p)`` gives ``‖J‖ ≤ max_k p_k``, and Gershgorin gives
+    ``‖J‖ ≤ max_k 2 p_k(1 − p_k) ≤ ½``. Along the segment
+    ``p_k(t) ∈ [p_k e^{−s}, p_k e^{s}]`` with ``s ≥ max Δ − min Δ``, and
+    ``max Δ − min Δ ≤ √2 ‖Δ‖_2``. Both eigenvalue bounds are maximised over
+    these intervals; the mean value theorem finishes the proof.
+
+    Args:
+        logits: clean scaled logits ``(..., N, N)`` (softmax over the last dim).
+        logit_radius: ``ρ``, shape ``logits.shape[:-2]``: a bound on the norm
+            of every row's logit change (e.g. the Frobenius bound of all rows).
+
+    Returns:
+        ``c``, shape ``logits.shape[:-2]``, with ``c ≤ ½``: the largest
+        constant over all rows.
+    """
+    s = (math.sqrt(2) * logit_radius)[..., None, None]  # (..., 1, 1) spread bound
+    logp = torch.log_softmax(logits, dim=-1)  # (..., N, N)
+    hi = torch.exp((logp + s).clamp(max=0))  # upper bound of p_k(t), ≤ 1
+    lo = torch.exp(logp - s)  # lower bound of p_k(t)
+    gersh = torch.maximum(2 * lo * (1 - lo), 2 * hi * (1 - hi))
+    gersh = torch.where((lo <= 0.5) & (hi >= 0.5), torch.full_like(gersh, 0.5), gersh)
+    row = torch.minimum(hi.amax(dim=-1), gersh.amax(dim=-1))  # (..., N)
+    return row.amax(dim=-1).clamp(max=0.5)
+
+
+# --------------------------------------------------------------------------
+# Theorem 1.
+# --------------------------------------------------------------------------
+
+
+def eps_per_sample(eps: float | Tensor, B: int, dtype: torch.dtype,
+                   device: torch.device) -> Tensor:
+    """Radius ε as a ``(B,)`` tensor; a float or a scalar / ``(B,)`` tensor.
+
+    Raises:
+        ValueError: unless every ε is finite and ≥ 0, or on a shape mismatch.
+    """
+    if not isinstance(eps, Tensor):
+        return torch.full((B,), check_eps(eps), dtype=dtype, device=device)
+    if eps.ndim > 1 or (eps.ndim == 1 and eps.shape[0] not in (1, B)):
+        raise ValueError(
+            f"eps must be a scalar or have shape ({B},), got {tuple(eps.shape)}"
+        )
+    if not bool(torch.isfinite(eps).all()) or bool((eps < 0).any()):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return eps.to(dtype=dtype, device=device).expand(B).clone()
+
+
+@dataclass(frozen=True)
+class LoFASTTerms:
+    """The ε-independent parts of LoFAST at a clean input ``X`` (batch ``B``).
+
+    Computed once by :func:`lofast_terms`; :meth:`bound` and :meth:`delta`
+    evaluate Theorem 1 for any ε at negligible cost (certified radii by
+    bisection, layer-by-layer composition). Shapes: ``(B,)`` or ``(B, H)``; in
+    float64 when ``exact``.
+
+    Attributes:
+        zeta: ζ(X), eq. (15).
+        m_norm: ``‖M_h(X)‖``, Lemma 2.
+        xi: ξ_h(X), eq. (26) (exact SVDs).
+        xm_norm: ``‖X W_vo[h]‖``; xm_centred: ``‖Π X W_vo[h]‖``, ``Π = I − 11ᵀ/N``.
+        vo_norm: ``‖W_vo[h]‖`` ``(H,)``; qk_norm: ``‖W_qk[h]‖`` ``(H,)``.
+        p_norm: ``‖P_h(X)‖``.
+        logits: scaled logits ``(B, H, N, N)`` (for the local softmax constant).
+        head_dim: ``d``.
+        residual: ``H = I`` or ``0``.
+        exact: whether ζ and ``‖M_h(X)‖`` are guaranteed upper bounds.
+        method: how ζ and ``‖M_h(X)‖`` were obtained.
+        out_dtype: dtype of the returned bounds (that of ``X``).
+    """
+
+    zeta: Tensor
+    m_norm: Tensor
+    xi: Tensor
+    xm_norm: Tensor
+    xm_centred: Tensor
+    vo_norm: Tensor
+    qk_norm: Tensor
+    p_norm: Tensor
+    logits: Tensor
+    head_dim: int
+    residual: bool
+    exact: bool
+    method: str
+    out_dtype: torch.dtype
+
+    def bound(self, eps: float | Tensor) -> LoFASTBound:
+        """All LoFAST bounds at radius ``eps`` (a float or a ``(B,)`` tensor)."""
+        B, H, N, _ = self.logits.shape
+        e = eps_per_sample(eps, B, self.zeta.dtype, self.zeta.device)  # (B,)
+        eh = e[:, None]  # (B, 1)
+        out_term = self.xm_norm + eh * self.vo_norm  # (B, H), eq. (18)
+        centred = self.xm_centred + eh * self.vo_norm  # (B, H)
+        scale = eh / math.sqrt(self.head_dim)
+        rho_tight = scale * (self.m_norm + eh * self.qk_norm)  # (B, H), logit change
+        rho_fast = scale * (self.xi + eh * self.qk_norm)  # (B, H)
+        delta_2_tight = (rho_tight * out_term).sum(dim=1)  # eq. (27)
+        delta_2_fast = (rho_fast * out_term).sum(dim=1)  # eq. (28)
+        c_local = softmax_local_constant(self.logits, rho_tight)  # (B, H)
+        softmax_change = torch.minimum(c_local * rho_tight,
+                                       torch.full_like(rho_tight, math.sqrt(2 * N)))
+        delta_2_local = (softmax_change * centred).sum(dim=1)
+        delta_1 = self.zeta * e
+        naive = float(self.residual) + (self.vo_norm * self.p_norm).sum(dim=1)  # (B,)
+        delta_1_naive = naive * e  # eq. (12)
+
+        def up(t: Tensor) -> Tensor:
+            return _round_up(t, self.out_dtype) if self.exact else t.to(self.out_dtype)
+
+        return LoFASTBound(
+            zeta=up(self.zeta),
+            delta_1=up(delta_1),
+            delta_1_naive=up(delta_1_naive),
+            delta_2_tight=up(delta_2_tight),
+            delta_2_fast=up(delta_2_fast),
+            delta_2_half=up(delta_2_tight / 2),
+            delta_2_local=up(delta_2_local),
+            total=up(delta_1 + delta_2_tight),
+            total_fast=up(delta_1 + delta_2_fast),
+            total_half=up(delta_1 + delta_2_tight / 2),
+            total_local=up(delta_1 + delta_2_local),
+            eps=e.to(self.out_dtype),
+            method=self.method,
+            exact=self.exact,
+        )
+
+    def delta(self, eps: float | Tensor, variant: str = "tight") -> Tensor:
+        """One variant of ``δ(X, ε)``, ``(B,)``; usable as a ``ε ↦ δ`` callable.
+
+        Args:
+            eps: radius, a float or a ``(B,)`` tensor.
+            variant: ``"tight"`` (Theorem 1, eq. 27; the default), ``"fast"``
+                (eq. 28), ``"half"`` or ``"local"`` (extensions, sound and
+                tighter; ``"local"`` is the tightest).
+        """
+        fields = {"tight": "total", "fast": "total_fast", "half": "total_half",
+                  "local": "total_local"}
+        if variant not in fields:
+            raise ValueError(
+                f"variant must be one of {sorted(fields)}, got {variant!r}"
+            )
+        return getattr(self.bound(eps), fields[variant])
+
+
+def lofast_terms(
+    X: Tensor,
+    W_q: Tensor,
+    W_k: Tensor,
+    W_v: Tensor,
+    W_o: Tensor,
+    residual: bool = True,
+    exact: bool = True,
+    n_iter: int = 1000,
+    tol: float = 1e-9,
+) -> LoFASTTerms:
+    """The ε-independent parts of LoFAST at clean ``X`` (see :class:`LoFASTTerms`).
+
+    ``lofast_terms(...).bound(eps) == lofast_bound(..., eps)``; the expensive
+    part (ζ, ``‖M_h(X)‖``) is done here once. Arguments as for
+    :func:`lofast_bound`, without ``eps``.
+    """
+    check_layer(X, W_q, W_k, W_v, W_o)
+    work = torch.float64 if exact else X.dtype
+    Xw, Wq, Wk, Wv, Wo = (t.to(work) for t in (X, W_q, W_k, W_v, W_o))
+    W_vo = value_output(Wv, Wo)  # (H, D, D)
+    W_qk = query_key(Wq, Wk)  # (H, D, D)
+    logits = attention_logits(Xw, Wq, Wk)  # (B, H, N, N)
+    P = torch.softmax(logits, dim=-1)  # (B, H, N, N)
+    zeta = _key_sensitivity(P, Wv, Wo, residual, exact, n_iter, tol)  # (B,)
+    m_norm = _lemma2_norm(Xw, Wq, Wk, exact, n_iter, tol)  # (B, H)
+    XM = torch.einsum("bnD,hDE->bhnE", Xw, W_vo)  # (B, H, N, D)
+    xi = (spectral_norm(torch.einsum("bnD,hED->bhnE", Xw, W_qk))  # ‖A Xᵀ‖ = ‖X Aᵀ‖
+          + spectral_norm(torch.einsum("bnD,hDE->bhnE", Xw, W_qk)))  # + ‖X A‖, eq. (26)
+    return LoFASTTerms(
+        zeta=zeta.value,
+        m_norm=m_norm.value,
+        xi=xi,
+        xm_norm=spectral_norm(XM),
+        xm_centred=spectral_norm(XM - XM.mean(dim=-2, keepdim=True)),
+        vo_norm=spectral_norm(W_vo),
+        qk_norm=spectral_norm(W_qk),
+        p_norm=spectral_norm(P),
+        logits=logits,
+        head_dim=W_q.shape[-1],
+        residual=residual,
+        exact=exact,
+        method=f"zeta: {zeta.method}; ||M_h(X)||: {m_norm.method}",
+        out_dtype=X.dtype,
+    )
+
+
+def lofast_bound(
+    X: Tensor,
+    W_q: Tensor,
+    W_k: Tensor,
+    W_v: Tensor,
+    W_o: Tensor,
+    eps: float | Tensor,
+    residual: bool = True,
+    exact: bool = True,
+    n_iter: int = 1000,
+    tol: float = 1e-9,
+) -> LoFASTBound:
+    """LoFAST bounds on ``max_{‖X'−X‖_F ≤ ε} ‖F(X') − F(X)‖_F``, Theorem 1.
+
+    ``total = ζ ε + δ2^(1)`` (eq. 15, 27), ``total_fast = ζ ε + δ2^(2)``
+    (eq. 28), ``total_half`` and ``total_local`` the extensions of the module
+    docstring. Ordering: ``total_local ≤ total_half ≤ total ≤ total_fast``.
+
+    The δ2 terms bound ``Δ2 ≤ Σ_h ‖P_h(X') − P_h(X)‖_F ‖X' W_vo[h]‖`` (eq. 17)
+    with ``‖X' W_vo‖ ≤ ‖X W_vo‖ + ε‖W_vo‖`` (eq. 18) and the logit change
+    ``‖Δ_h‖_F ≤ ρ_h = (ε/√d)(‖M_h(X)‖ + ε‖A_h‖)`` (eq. 21-25); softmax is
+    1-Lipschitz (paper), ½-Lipschitz (``half``) or locally
+    :func:`softmax_local_constant`-Lipschitz (``local``, which also uses
+    ``‖P' − P‖_F ≤ √(2N)`` — each row is a difference of two probability
+    vectors — and ``(P' − P) X' = (P' − P) Π X'`` since ``(P' − P) 1 = 0``).
+
+    Args:
+        X: ``(B, N, D)``; W_q, W_k, W_v: ``(H, D, d)``; W_o: ``(H, d, D)``;
+            any float dtype, CPU or CUDA.
+        eps: radius ε ≥ 0 of the Frobenius ball (a float, or a ``(B,)`` tensor).
+        residual: ``H = I`` (the model's ``x + attn(x)``) or ``H = 0``.
+        exact: guaranteed upper bounds (float64 internally) if true; power
+            iteration estimates (in ``X.dtype``) if false.
+        n_iter, tol: power-iteration budget and relative tolerance.
+
+    Returns:
+        :class:`LoFASTBound` of ``(B,)`` tensors in ``X.dtype``.
+
+    Raises:
+        ValueError: negative, NaN or infinite ``eps``; shape mismatches.
+        TypeError: non-float or mixed dtypes / devices.
+    """
+    eps_per_sample(eps, X.shape[0] if X.ndim == 3 else 1, torch.float64,
+                   torch.device("cpu"))  # validate before the expensive part
+    terms = lofast_terms(X, W_q, W_k, W_v, W_o, residual, exact, n_iter, tol)
+    return terms.bound(eps)

@@ -1,0 +1,334 @@
+"""Shared pieces of the CLI commands: options, loading, subsampling, parsing, writing.
+
+Commands stay thin by taking these: click option decorators (``ckpt_option``,
+``device_option``, ``n_option``, ...), :func:`load_checkpoint` and
+:func:`load_test_set` (deterministic ``--n`` subsampling, the same samples for
+every command), :func:`parse_floats` / :func:`parse_names` for comma lists, and
+:func:`write_json` / :func:`write_csv`, which write atomically and refuse to
+replace an existing file unless ``force`` (``--force``). Errors are
+``ValueError`` or :class:`lipvit.errors.LipvitError`, which the CLI group prints
+as one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import torch
+from torch import Tensor
+
+from lipvit.errors import LipvitError
+
+SUBSAMPLE_SEED = 0
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+# ---------------------------------------------------------------- options
+
+
+def ckpt_option(multiple: bool = False) -> Callable:
+    """``--ckpt PATH`` (required; repeatable with ``multiple``)."""
+    return click.option(
+        "--ckpt", "ckpt", required=True, multiple=multiple,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="checkpoint written by `lipvit train`"
+        + (" (repeatable)" if multiple else ""))
+
+
+device_option = click.option(
+    "--device", default="cpu", show_default=True,
+    help="torch device: cpu, cuda, cuda:N, or auto (cuda when available)")
+n_option = click.option(
+    "--n", "n", type=click.IntRange(min=1), default=None,
+    help="use N test samples (a fixed seeded subsample; default: all)")
+batch_size_option = click.option(
+    "--batch-size", type=click.IntRange(min=1), default=256, show_default=True,
+    help="samples per batch")
+force_option = click.option("--force", is_flag=True,
+                            help="overwrite existing output files")
+pdf_option = click.option("--pdf", is_flag=True, help="also write PDF figures")
+json_option = click.option("--json", "json_path", default=None,
+                           type=click.Path(dir_okay=False, path_type=Path),
+                           help="write the results as JSON")
+csv_option = click.option("--csv", "csv_path", default=None,
+                          type=click.Path(dir_okay=False, path_type=Path),
+                          help="write the results table as CSV")
+
+
+def data_options(fn: Callable) -> Callable:
+    """``--dataset`` and ``--data-dir``: override the checkpoint's dataset."""
+    fn = click.option("--data-dir", default=None,
+                      type=click.Path(file_okay=False, path_type=Path),
+                      help="directory of a dataset that is not embedded")(fn)
+    return click.option("--dataset", default=None,
+                        help="dataset name (default: the checkpoint's)")(fn)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → cuda when available else cpu; otherwise ``torch.device(name)``.
+
+    Raises:
+        ValueError: an unparsable name, or cuda asked for where there is none.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return device
+
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """Load a checkpoint (``lipvit.checkpoint.load_checkpoint``) on ``device``.
+
+    Returns the ``Checkpoint`` record (``.model`` in eval mode, ``.config``,
+    ``.dataset``, ``.summary``); a missing or corrupt file raises
+    :class:`lipvit.errors.CheckpointError`.
+    """
+    from lipvit.checkpoint import load_checkpoint as _load
+
+    if isinstance(device, str):
+        device = resolve_device(device)
+    return _load(Path(path), device=device)
+
+
+@dataclass(frozen=True, eq=False)
+class TestSet:
+    """Test images ``x`` ``(n, C, S, S)`` in ``[0, 1]``, labels ``y`` ``(n,)``,
+    their positions ``index`` ``(n,)`` in the full test split, and the dataset name."""
+
+    x: Tensor
+    y: Tensor
+    index: np.ndarray
+    dataset: str
+    num_classes: int
+
+
+def subsample(total: int, n: int | None, seed: int = SUBSAMPLE_SEED) -> np.ndarray:
+    """Sorted indices of ``n`` of ``total`` samples: a seeded permutation's first ``n``.
+
+    The same ``(total, n)`` always gives the same samples, so ``certify``,
+    ``attack`` and the analysis commands see the same points. ``n`` ``None``
+    or ``≥ total`` gives all.
+    """
+    if n is None or n >= total:
+        return np.arange(total)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return np.sort(np.random.default_rng(seed).permutation(total)[:n])
+
+
+def load_test_set(ckpt: Any, *, n: int | None = None, dataset: str | None = None,
+                  data_dir: str | os.PathLike | None = None,
+                  device: str | torch.device = "cpu") -> TestSet:
+    """The test split of the checkpoint's dataset (or ``dataset``), subsampled to ``n``.
+
+    Raises:
+        lipvit.errors.DataError: missing or malformed data.
+        ValueError: images whose shape does not fit the model.
+    """
+    from lipvit.data import load_dataset
+
+    if isinstance(device, str):
+        device = resolve_device(device)
+    name = dataset or ckpt.dataset
+    if name is None:
+        raise ValueError("the checkpoint records no dataset: pass --dataset")
+    data = load_dataset(name=name, data_dir=data_dir, device=device)
+    cfg = ckpt.config
+    expected = (cfg.in_chans, cfg.image_size, cfg.image_size)
+    if tuple(data.x_test.shape[1:]) != expected:
+        got = tuple(data.x_test.shape[1:])
+        raise ValueError(f"dataset {name!r} has images of shape {got}; "
+                         f"the model expects {expected}")
+    index = subsample(int(data.x_test.shape[0]), n)
+    idx = torch.as_tensor(index, device=data.x_test.device)
+    return TestSet(x=data.x_test[idx], y=data.y_test[idx], index=index,
+                   dataset=data.name, num_classes=int(data.num_classes))
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _parse_number(token: str) -> float:
+    # "0.03", "1e-2" or a fraction such as "8/255".
+    try:
+        return float(Fraction(token)) if "/" in token else float(token)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"not a number: {token!r}") from None
+
+
+def parse_floats(text: str | Sequence[str], name: str = "value", *,
+                 allow_zero: bool = False) -> list[float]:
+    """Comma-separated numbers (``"0.01,0.02"``, ``"2/255,8/255"``) as floats.
+
+    Several option values (a repeated option) are joined. Every value must be
+    finite and ``> 0`` (``≥ 0`` with ``allow_zero``).
+
+    Raises:
+        ValueError: empty list, unparsable, NaN, infinite or out-of-range values.
+    """
+    parts = [text] if isinstance(text, str) else list(text)
+    tokens = [t.strip() for p in parts for t in p.split(",") if t.strip()]
+    if not tokens:
+        raise ValueError(f"no {name} given")
+    values = []
+    for token in tokens:
+        value = _parse_number(token)
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{name} must be finite and {bound}, got {token}")
+        values.append(value)
+    return values
+
+
+def parse_names(text: str | Sequence[str], choices: Iterable[str],
+                name: str = "name") -> list[str]:
+    """Comma-separated names, each one of ``choices``, in order, without duplicates."""
+    choices = list(choices)
+    parts = [text] if isinstance(text, str) else list(text)
+    names = [t.strip().lower() for p in parts for t in p.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"no {name} given")
+    for item in names:
+        if item not in choices:
+            raise ValueError(
+                f"unknown {name} {item!r}; choose from {', '.join(choices)}")
+    return list(dict.fromkeys(names))
+
+
+def format_eps(eps: float) -> str:
+    """``0.03137 (8/255)`` for ε = k/255 with integer k ≤ 32; else ``0.03``."""
+    k = eps * 255
+    text = f"{eps:.4g}"
+    if eps > 0 and abs(k - round(k)) < 1e-6 and round(k) <= 32:
+        text += f" ({round(k)}/255)"
+    return text
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain text table, columns padded; floats with 4 significant digits."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float | np.floating):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in body)]) for i, h in enumerate(headers)]
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+
+    lines = [line(headers), line(["-" * w for w in widths]), *map(line, body)]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def check_writable(paths: Iterable[str | os.PathLike | None], force: bool) -> None:
+    """Refuse (``LipvitError``) if any of ``paths`` exists and ``force`` is off.
+
+    Call it before long computations, so nothing is computed in vain.
+    """
+    for path in paths:
+        if path is None:
+            continue
+        path = Path(path)
+        if path.is_dir():
+            raise LipvitError(f"{path} is a directory")
+        if path.exists() and not force:
+            raise LipvitError(f"{path} exists; pass --force to overwrite it")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; move it onto ``path`` on success.
+
+    Readers never see a half-written file; on an exception nothing is left
+    behind. The parent directory is created.
+    """
+    path = Path(path)
+    check_writable([path], force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix,
+                               dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the usual mode
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Plain JSON types: numpy scalars/arrays, tuples, paths; NaN/±inf → ``None``."""
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set | frozenset):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray | Tensor):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, bool | np.bool_):
+        return bool(obj)
+    if isinstance(obj, int | np.integer):
+        return int(obj)
+    if isinstance(obj, float | np.floating):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    return obj
+
+
+def write_json(path: str | os.PathLike, obj: Any, force: bool = False) -> Path:
+    """Write ``obj`` as indented JSON atomically; no replacing without ``force``."""
+    text = json.dumps(to_jsonable(obj), indent=2, allow_nan=False)
+    with atomic_path(path, force) as tmp:
+        tmp.write_text(text + "\n", encoding="utf-8")
+    return Path(path)
+
+
+def write_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
+              force: bool = False, columns: Sequence[str] | None = None) -> Path:
+    """Write dict rows as CSV (columns: ``columns`` or keys in order of appearance)."""
+    if columns is None:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: to_jsonable(v) for k, v in row.items()})
+    with atomic_path(path, force) as tmp:
+        tmp.write_text(buf.getvalue(), encoding="utf-8")
+    return Path(path)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file; a missing or malformed file is a one-line ``LipvitError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise LipvitError(f"{path}: no such file")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LipvitError(f"{path}: not valid JSON ({err})") from None

@@ -1,0 +1,120 @@
+"""``lipvit info``: what a checkpoint holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lipvit.checkpoint import FORMAT_VERSION, load_checkpoint
+from lipvit.train import head_sigmas
+
+
+def describe_checkpoint(path: Path) -> dict[str, Any]:
+    """Everything ``lipvit info`` reports, as plain data."""
+    ckpt = load_checkpoint(path)
+    sig = head_sigmas(ckpt.model)  # (L, 4, H), exact
+    extra = ckpt.raw.get("extra") or {}
+    msvp = ckpt.msvp
+    return {
+        "path": str(path),
+        "lipvit_version": ckpt.version,
+        "format_version": ckpt.raw.get("format_version", FORMAT_VERSION),
+        "dataset": ckpt.dataset,
+        "model_config": ckpt.config.to_dict(),
+        "parameters": sum(p.numel() for p in ckpt.model.parameters()),
+        "normalization": ckpt.raw.get("normalization"),
+        "msvp_lambdas": None if msvp is None else [float(x) for x in msvp["lambdas"]],
+        "train_config": ckpt.train_config,
+        "epochs_done": extra.get("epoch"),
+        "finished": ckpt.summary is not None,
+        "summary": None
+        if ckpt.summary is None
+        else {
+            k: v
+            for k, v in ckpt.summary.items()
+            if k not in ("history", "model_config", "train_config")
+        },
+        "sigma_max": {
+            "note": "exact (dense SVD) per head; per layer: mean and max over heads",
+            "layers": [
+                {
+                    name: {
+                        "mean": float(sig[layer, i].mean()),
+                        "max": float(sig[layer, i].max()),
+                    }
+                    for i, name in enumerate(("W_q", "W_k", "W_v", "W_o"))
+                }
+                for layer in range(sig.shape[0])
+            ],
+        },
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+@click.command("info")
+@click.option(
+    "--ckpt",
+    "path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Checkpoint written by lipvit train.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def info_command(path: Path, as_json: bool) -> None:
+    """Print what a checkpoint holds: configs, dataset, summary, exact sigma_max."""
+    d = describe_checkpoint(path)
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+        return
+    cfg = d["model_config"]
+    lines = [
+        f"checkpoint   {d['path']} (lipvit {d['lipvit_version']}, "
+        f"format {d['format_version']})",
+        f"dataset      {d['dataset']}",
+        f"model        {cfg['family']} ViT: "
+        + ", ".join(f"{k}={_fmt(v)}" for k, v in cfg.items() if k != "family"),
+        f"parameters   {d['parameters']:,}",
+        "msvp         none"
+        if d["msvp_lambdas"] is None
+        else f"msvp         {_fmt(d['msvp_lambdas'])} (lambda_q, lambda_k, lambda_v)",
+    ]
+    if d["train_config"]:
+        lines.append(
+            "training     "
+            + ", ".join(f"{k}={_fmt(v)}" for k, v in d["train_config"].items())
+        )
+    s = d["summary"]
+    if s is None:
+        done = d["epochs_done"]
+        lines.append(
+            f"status       unfinished ({done} epochs saved; resume with "
+            "lipvit train --resume)"
+        )
+    else:
+        lines.append(
+            f"summary      test acc {100 * s['test_acc']:.2f}%, train acc "
+            f"{100 * (s.get('train_acc') or 0):.2f}%, loss {_fmt(s.get('loss'))}, "
+            f"{s.get('epochs')} epochs in {s.get('seconds', 0):.1f} s "
+            f"on {s.get('device')}"
+        )
+    lines.append("sigma_max    exact per head (mean / max over heads)")
+    lines.append(
+        "  layer      W_q               W_k               W_v               W_o"
+    )
+    for i, layer in enumerate(d["sigma_max"]["layers"]):
+        cells = "  ".join(
+            f"{layer[n]['mean']:7.4f} /{layer[n]['max']:7.4f}"
+            for n in ("W_q", "W_k", "W_v", "W_o")
+        )
+        lines.append(f"  {i:<5}  {cells}")
+    click.echo("\n".join(lines))

@@ -1,0 +1,563 @@
+"""``lipvit pipeline``: the whole study on one dataset, ending in ``report.md``.
+
+Trains a vanilla standard ViT (``--msvp 0``), an MSVP standard ViT and a
+lipschitz-family ViT; attacks all three; certifies the lipschitz and MSVP
+models; measures the tightness of the bounds (one attention layer and the
+whole network) and compares the spectra of vanilla and MSVP; then writes
+``OUT/report.md`` with the tables, the figures and the command of every part.
+
+Every step *is* one ``lipvit`` command, run in this process through its click
+entry point (``Command.main(args, standalone_mode=False)``: no shell, no new
+interpreter), so the command the report prints for a step is exactly what ran
+(the pipeline only adds ``--resume``/``--force``). A step whose output files
+all exist is skipped (training: a finished checkpoint); ``--force`` redoes
+everything. Timings per step are kept in ``OUT/pipeline.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lipvit.commands import _common as C
+from lipvit.config import PRESETS
+from lipvit.errors import CheckpointError, LipvitError
+
+MODELS = ("vanilla", "msvp", "lipschitz")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes of one pipeline run (defaults: a 2-core CPU in well under 15 minutes).
+
+    ``fast`` shrinks everything to a smoke test (about a minute).
+    """
+
+    epochs: int | None = None  # None: `lipvit train`'s per-family defaults
+    preset: str | None = None  # None: `lipvit train`'s per-family default preset
+    msvp: float = 1e-3
+    attacks: str = "pgd-l2,cw"
+    attack_eps: str = "0.1,0.2,0.3,0.5"
+    attack_n: int = 100
+    attack_steps: int = 20
+    certify_eps: str = "0.02,0.05,0.1,0.2,0.3,0.5"
+    certify_n: int = 100
+    certify_methods: str = "lofast,lofast-fast,specformer"
+    crown_eps: str = "0.05"
+    crown_n: int = 5
+    tightness_eps: str = "0.01,0.02,0.03,0.05,0.07,0.1"
+    tightness_n: int = 10
+    tightness_pgd: tuple[int, int] = (200, 8)
+    network_eps: str = "0.01,0.02,0.05,0.1"
+    network_pgd: tuple[int, int] = (100, 4)
+    spectrum_n: int = 16
+    spectrum_eps: str = "0.01,0.1"
+    spectrum_pgd: tuple[int, int] = (50, 2)
+
+    @classmethod
+    def fast_mode(cls) -> Settings:
+        return cls(
+            epochs=2,
+            preset="digits-tiny",
+            attacks="pgd-l2",
+            attack_eps="0.5",
+            attack_n=8,
+            attack_steps=5,
+            certify_eps="0.05,0.5",
+            certify_n=8,
+            crown_n=0,
+            tightness_eps="0.01,0.1",
+            tightness_n=3,
+            tightness_pgd=(10, 1),
+            network_eps="0.01,0.1",
+            network_pgd=(10, 1),
+            spectrum_n=3,
+            spectrum_eps="0.01",
+            spectrum_pgd=(5, 1),
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``lipvit`` command of the pipeline and the files it writes."""
+
+    key: str
+    title: str
+    command: click.Command
+    args: tuple[str, ...]
+    outputs: tuple[Path, ...]
+    train: bool = False
+
+    @property
+    def prog(self) -> str:
+        return f"lipvit {self.command.name}"
+
+    def line(self) -> str:
+        """The reproducing command line."""
+        from analysis.report import command_line
+
+        return command_line([self.command.name, *self.args])
+
+    def done(self) -> bool:
+        """All outputs exist (for training: a checkpoint with a final summary)."""
+        if self.train:
+            return _finished(self.outputs[0]) and self.outputs[1].exists()
+        return all(p.exists() for p in self.outputs)
+
+
+def _finished(path: Path) -> bool:
+    if not path.exists():
+        return False
+    from lipvit.checkpoint import load_checkpoint
+
+    try:
+        return load_checkpoint(path).summary is not None
+    except CheckpointError:
+        return False
+
+
+@dataclass
+class Plan:
+    """The steps of a run and where things go."""
+
+    out: Path
+    settings: Settings
+    steps: list[Step] = field(default_factory=list)
+
+    def model(self, name: str) -> Path:
+        return self.out / "models" / f"{name}.pt"
+
+    def step(self, key: str) -> Step | None:
+        return next((s for s in self.steps if s.key == key), None)
+
+
+def build_plan(
+    out: Path,
+    settings: Settings,
+    *,
+    dataset: str = "digits",
+    data_dir: Path | None = None,
+    device: str = "cpu",
+    crown: bool = False,
+) -> Plan:
+    """All steps of a run in order (nothing is run)."""
+    from lipvit.commands.attack import attack
+    from lipvit.commands.certify import certify
+    from lipvit.commands.plot import plot
+    from lipvit.commands.spectrum import output_paths as spectrum_paths
+    from lipvit.commands.spectrum import spectrum
+    from lipvit.commands.tightness import output_paths as tightness_paths
+    from lipvit.commands.tightness import tightness
+    from lipvit.commands.train import train_command
+
+    s = settings
+    plan = Plan(out, s)
+    data = ["--dataset", dataset] + (["--data-dir", str(data_dir)] if data_dir else [])
+    dev = ["--device", device]
+    size = (["--preset", s.preset] if s.preset else []) + (
+        ["--epochs", str(s.epochs)] if s.epochs else []
+    )
+    train_dev = dev if device in ("auto", "cpu", "cuda") else ["--device", "cuda"]
+    families = {
+        "vanilla": ("standard", "0"),
+        "msvp": ("standard", f"{s.msvp:g}"),
+        "lipschitz": ("lipschitz", "0"),
+    }
+    for name, (family, lam) in families.items():
+        ckpt = plan.model(name)
+        plan.steps.append(
+            Step(
+                f"train/{name}",
+                f"train {name}",
+                train_command,
+                (
+                    "--family",
+                    family,
+                    "--msvp",
+                    lam,
+                    *size,
+                    *data,
+                    *train_dev,
+                    "--seed",
+                    "0",
+                    "--no-progress",
+                    "--out",
+                    str(ckpt),
+                ),
+                (ckpt, ckpt.with_suffix(".json")),
+                train=True,
+            )
+        )
+    for name in MODELS:
+        js, cs = out / "attack" / f"{name}.json", out / "attack" / f"{name}.csv"
+        plan.steps.append(
+            Step(
+                f"attack/{name}",
+                f"attack {name}",
+                attack,
+                (
+                    "--ckpt",
+                    str(plan.model(name)),
+                    "--attack",
+                    s.attacks,
+                    "--norm",
+                    "l2",
+                    "--eps",
+                    s.attack_eps,
+                    "--steps",
+                    str(s.attack_steps),
+                    "--n",
+                    str(s.attack_n),
+                    *dev,
+                    "--json",
+                    str(js),
+                    "--csv",
+                    str(cs),
+                ),
+                (js, cs),
+            )
+        )
+    for name in ("lipschitz", "msvp"):
+        js, cs = out / "certify" / f"{name}.json", out / "certify" / f"{name}.csv"
+        plan.steps.append(
+            Step(
+                f"certify/{name}",
+                f"certify {name}",
+                certify,
+                (
+                    "--ckpt",
+                    str(plan.model(name)),
+                    "--eps",
+                    s.certify_eps,
+                    "--method",
+                    s.certify_methods,
+                    "--radius",
+                    "--n",
+                    str(s.certify_n),
+                    *dev,
+                    "--json",
+                    str(js),
+                    "--csv",
+                    str(cs),
+                ),
+                (js, cs),
+            )
+        )
+        fig = out / "certify" / f"{name}.png"
+        plan.steps.append(
+            Step(
+                f"plot/{name}",
+                f"plot certified accuracy of {name}",
+                plot,
+                (
+                    "certified",
+                    str(js),
+                    str(out / "attack" / f"{name}.json"),
+                    "--out",
+                    str(fig),
+                    "--title",
+                    f"{name}: certified (ℓ2) vs attacked accuracy",
+                ),
+                (fig,),
+            )
+        )
+    if crown and s.crown_n > 0:
+        js, cs = (
+            out / "certify" / "lipschitz-crown.json",
+            out / "certify" / "lipschitz-crown.csv",
+        )
+        plan.steps.append(
+            Step(
+                "certify/lipschitz-crown",
+                "certify lipschitz with CROWN and the cascade",
+                certify,
+                (
+                    "--ckpt",
+                    str(plan.model("lipschitz")),
+                    "--eps",
+                    s.crown_eps,
+                    "--method",
+                    "lofast,crown,cascade",
+                    "--n",
+                    str(s.crown_n),
+                    *dev,
+                    "--json",
+                    str(js),
+                    "--csv",
+                    str(cs),
+                ),
+                (js, cs),
+            )
+        )
+    lip = str(plan.model("lipschitz"))
+    for key, extra, eps, (steps, restarts) in (
+        ("layer", ("--layer", "0"), s.tightness_eps, s.tightness_pgd),
+        (
+            "layer-residual",
+            ("--layer", "0", "--residual", "on"),
+            s.tightness_eps,
+            s.tightness_pgd,
+        ),
+        (
+            "network",
+            ("--network",)
+            + (("--methods", "lofast,lofast-fast,specformer,crown") if crown else ()),
+            s.network_eps,
+            s.network_pgd,
+        ),
+    ):
+        d = out / "tightness" / key
+        plan.steps.append(
+            Step(
+                f"tightness/{key}",
+                f"tightness ({key}) of lipschitz",
+                tightness,
+                (
+                    "--ckpt",
+                    lip,
+                    *extra,
+                    "--eps",
+                    eps,
+                    "--n",
+                    str(s.tightness_n),
+                    "--pgd-steps",
+                    str(steps),
+                    "--pgd-restarts",
+                    str(restarts),
+                    *dev,
+                    "--out",
+                    str(d),
+                ),
+                tuple(tightness_paths(d)),
+            )
+        )
+    d = out / "spectrum"
+    plan.steps.append(
+        Step(
+            "spectrum",
+            "spectra of vanilla and msvp",
+            spectrum,
+            (
+                "--ckpt",
+                str(plan.model("vanilla")),
+                "--ckpt",
+                str(plan.model("msvp")),
+                "--label",
+                "vanilla",
+                "--label",
+                "msvp",
+                "--n",
+                str(s.spectrum_n),
+                "--eps",
+                s.spectrum_eps,
+                "--pgd-steps",
+                str(s.spectrum_pgd[0]),
+                "--pgd-restarts",
+                str(s.spectrum_pgd[1]),
+                *dev,
+                "--out",
+                str(d),
+            ),
+            tuple(spectrum_paths(d)),
+        )
+    )
+    return plan
+
+
+def run_step(step: Step, force: bool) -> str:
+    """Run ``step`` unless done; returns ``"skipped"``, ``"ran"`` or ``"resumed"``."""
+    if step.done() and not force:
+        return "skipped"
+    args = list(step.args)
+    status = "ran"
+    if step.train:
+        if force:
+            args.append("--force")
+        elif step.outputs[0].exists():
+            args.append("--resume")
+            status = "resumed"
+    elif force or any(p.exists() for p in step.outputs):
+        args.append("--force")  # a partial earlier run: redo the whole step
+    step.command.main(args=args, prog_name=step.prog, standalone_mode=False)
+    return status
+
+
+def write_report(plan: Plan, record: dict[str, Any]) -> Path:
+    """Write ``OUT/report.md`` (always rewritten: it only reads the results)."""
+    from analysis.report import pipeline_report
+
+    commands = {step.key: step.line() for step in plan.steps}
+    path = plan.out / "report.md"
+    with C.atomic_path(path, force=True) as tmp:
+        tmp.write_text(
+            pipeline_report(plan.out, commands, record).render(), encoding="utf-8"
+        )
+    return path
+
+
+def _load_timings(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def run_plan(
+    plan: Plan, *, force: bool, echo: Callable[[str], None], meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Run every step, recording timings in ``OUT/pipeline.json`` (returned)."""
+    record_path = plan.out / "pipeline.json"
+    record = _load_timings(record_path) if not force else {}
+    record.update(meta)
+    steps = record.setdefault("steps", {})
+    total = len(plan.steps)
+    for i, step in enumerate(plan.steps, 1):
+        echo(f"[{i}/{total}] {step.title}")
+        t0 = time.perf_counter()
+        status = run_step(step, force)
+        seconds = time.perf_counter() - t0
+        if status == "skipped":
+            echo("  outputs exist: skipped (--force redoes it)")
+        else:
+            steps[step.key] = {"seconds": seconds, "status": status}
+            echo(f"  {status} in {seconds:.1f} s")
+        steps.setdefault(step.key, {})["command"] = step.line()
+        C.write_json(record_path, record, force=True)
+    record["total_seconds"] = sum(v.get("seconds", 0.0) for v in steps.values())
+    C.write_json(record_path, record, force=True)
+    return record
+
+
+@click.command("pipeline")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="run directory (models/, attack/, certify/, tightness/, spectrum/, report.md)",
+)
+@click.option("--force", is_flag=True, help="redo every step, even where outputs exist")
+@click.option(
+    "--fast",
+    is_flag=True,
+    help="smoke-test sizes (2 epochs, a handful of samples): about a minute",
+)
+@click.option(
+    "--preset",
+    default=None,
+    type=click.Choice(tuple(PRESETS)),
+    help="model size for all three models (default: `lipvit train`'s "
+    "per-family preset)",
+)
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="training epochs (default: `lipvit train`'s per-family defaults)",
+)
+@click.option(
+    "--msvp",
+    "msvp_lambda",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="MSVP weight λ of the msvp model  [default: 1e-3]",
+)
+@click.option("--dataset", default="digits", show_default=True)
+@click.option(
+    "--data-dir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="directory of a dataset that is not embedded",
+)
+@C.device_option
+@click.option(
+    "--threads",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="CPU threads for every step; 0: one for digits on the CPU (the tiny "
+    "models run fastest on one thread, and far faster on a shared "
+    "machine), torch's default otherwise",
+)
+@click.option(
+    "--crown/--no-crown",
+    default=None,
+    help="also certify the lipschitz model with CROWN and the LoFAST→CROWN cascade "
+    "(needs auto_LiRPA) [default: on a CUDA device when auto_LiRPA is installed; "
+    "CROWN takes minutes per sample on a CPU]",
+)
+def pipeline(
+    out: Path,
+    force: bool,
+    fast: bool,
+    preset: str | None,
+    epochs: int | None,
+    msvp_lambda: float | None,
+    dataset: str,
+    data_dir: Path | None,
+    device: str,
+    threads: int,
+    crown: bool | None,
+) -> None:
+    """Train vanilla, MSVP and lipschitz ViTs, attack, certify, measure tightness and
+    spectra, and write OUT/report.md (steps whose outputs exist are skipped)."""
+    import dataclasses
+
+    from analysis.tightness import crown_available
+
+    settings = Settings.fast_mode() if fast else Settings()
+    overrides = {
+        k: v
+        for k, v in (("preset", preset), ("epochs", epochs), ("msvp", msvp_lambda))
+        if v is not None
+    }
+    settings = dataclasses.replace(settings, **overrides)
+    resolved = C.resolve_device(device)  # a bad device fails here, before any work
+    available = crown_available()
+    if crown and not available:
+        raise LipvitError(
+            "--crown needs auto_LiRPA; install it as the README says (pip install "
+            "--no-deps auto_LiRPA==0.3 and its small runtime needs)"
+        )
+    if crown is None:
+        crown = available and resolved.type == "cuda"
+    plan = build_plan(
+        out, settings, dataset=dataset, data_dir=data_dir, device=device, crown=crown
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    click.echo(
+        f"lipvit pipeline: {len(plan.steps)} steps into {out}"
+        + (" (fast mode)" if fast else "")
+    )
+    t0 = time.perf_counter()
+    meta = {
+        "settings": dataclasses.asdict(settings),
+        "dataset": dataset,
+        "device": device,
+        "fast": fast,
+        "crown_available": available,
+        "crown": crown,
+    }
+    import torch
+
+    before = torch.get_num_threads()
+    if threads or (dataset == "digits" and resolved.type == "cpu"):
+        torch.set_num_threads(threads or 1)
+    try:
+        record = run_plan(plan, force=force, echo=click.echo, meta=meta)
+    finally:
+        torch.set_num_threads(before)
+    wall = time.perf_counter() - t0
+    record["last_run_seconds"] = wall
+    C.write_json(out / "pipeline.json", record, force=True)
+    report = write_report(plan, record)
+    click.echo(
+        f"done in {wall:.1f} s (all steps, including earlier runs: "
+        f"{record['total_seconds']:.1f} s); wrote {report}"
+    )

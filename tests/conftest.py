@@ -1,0 +1,97 @@
+"""Shared fixtures and helpers for lipvit's tests.
+
+Tests run on one CPU thread: their tensors are tiny (splitting them across
+threads costs more than it saves) and spinning threads lose badly on a shared
+machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from lipvit.config import ViTConfig
+from lipvit.data import Dataset, load_dataset
+
+torch.set_num_threads(1)
+
+
+def tiny_config(family: str = "standard", **overrides) -> ViTConfig:
+    """A very small ViT on 8×8 grayscale images (fast enough for every test)."""
+    base = dict(
+        image_size=8,
+        in_chans=1,
+        num_classes=10,
+        patch_size=2,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        family=family,
+    )
+    return ViTConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def digits() -> Dataset:
+    """The full digits dataset (bundled with scikit-learn)."""
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="session")
+def small_digits(digits: Dataset) -> Dataset:
+    """400 training and 100 test digits (for quick training runs)."""
+    return Dataset(
+        digits.name,
+        digits.x_train[:400],
+        digits.y_train[:400],
+        digits.x_test[:100],
+        digits.y_test[:100],
+        digits.num_classes,
+        digits.mean,
+        digits.std,
+        digits.augment,
+    )
+
+
+def pgd_lipschitz_ratio(
+    fn: Callable[[Tensor], Tensor],
+    x: Tensor,
+    steps: int = 60,
+    lr: float = 0.05,
+    seed: int = 0,
+) -> float:
+    """Largest ``‖fn(a) − fn(b)‖ / ‖a − b‖`` that gradient ascent finds near ``x``.
+
+    A lower bound of the Lipschitz constant of ``fn`` (ℓ2 over the whole
+    tensor): both points are optimised from ``x`` and ``x`` plus a small random
+    offset, with normalised-gradient steps on the log-ratio; the best ratio at
+    any evaluated pair is returned.
+    """
+    g = torch.Generator().manual_seed(seed)
+    a = x.clone().requires_grad_(True)
+    b = (x + 1e-2 * torch.randn(x.shape, generator=g, dtype=x.dtype)).requires_grad_(
+        True
+    )
+    best = 0.0
+    for i in range(steps):
+        num = torch.linalg.vector_norm(fn(a) - fn(b))
+        den = torch.linalg.vector_norm(a - b)
+        ratio = num / den
+        best = max(best, float(ratio.detach()))
+        ga, gb = torch.autograd.grad(torch.log(ratio), (a, b))
+        step = lr * (0.98**i)
+        with torch.no_grad():
+            a += step * ga / ga.norm().clamp_min(1e-30)
+            b += step * gb / gb.norm().clamp_min(1e-30)
+    return best
+
+
+def full_jacobian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """Dense Jacobian of ``fn`` at ``x`` as a matrix ``(out.numel(), x.numel())``."""
+    J = torch.autograd.functional.jacobian(fn, x)
+    out_numel = J.numel() // x.numel()
+    return J.reshape(out_numel, x.numel())

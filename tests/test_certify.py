@@ -1,0 +1,185 @@
+"""End-to-end bounds and certification: soundness against attacks on whole networks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torchattacks
+
+import lipvit
+from analysis.pgd import pgd_deviation
+from certify.certification import certified_radius, is_certified, margin
+from certify.evaluate import certify_samples
+from certify.network import network_bound
+from lipvit.checkpoint import load_checkpoint
+from lipvit.data import load_dataset
+from lipvit.train import train, train_config_for
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module", params=["lipschitz", "standard"])
+def trained(request, digits, tmp_path_factory):
+    """A tiny model of each family trained briefly on digits, in float64."""
+    family = request.param
+    cfg = lipvit.preset("digits-tiny", family=family, mean=digits.mean, std=digits.std)
+    out = tmp_path_factory.mktemp(family) / "model.pt"
+    tcfg = train_config_for(
+        family, epochs=8 if family == "lipschitz" else 4, device="cpu", msvp=(1e-3,) * 3
+    )
+    train(cfg, tcfg, digits, out, progress=False)
+    return load_checkpoint(out).model.double()
+
+
+def _random_model(family: str, seed: int, qk_scale: float = 1.0) -> lipvit.ViT:
+    torch.manual_seed(seed)
+    model = lipvit.ViT(lipvit.preset("digits-tiny", family=family)).double().eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            W = (
+                block.attn.qkv.parametrizations.weight.original
+                if family == "lipschitz"
+                else block.attn.qkv.weight
+            )
+            D = W.shape[1]
+            W[: 2 * D] *= qk_scale * 20  # large ‖W_q W_kᵀ‖: δ2 terms matter
+            W[2 * D :] *= 20  # push W_v to its cap
+    return model
+
+
+@pytest.mark.parametrize("family", ["lipschitz", "standard"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("method", ["lofast", "specformer"])
+def test_delta_out_bounds_pgd_on_whole_network(family, seed, method, digits):
+    model = _random_model(family, seed, qk_scale=1.0 + seed)
+    x = digits.x_test[seed * 4 : (seed + 1) * 4].double()
+    bound = network_bound(model, x, method)
+    for eps in (0.01, 0.1, 0.5):
+        lower = pgd_deviation(model, x, eps, steps=60, restarts=3, seed=seed)
+        upper = bound.delta_out(eps)
+        assert torch.all(lower <= upper * (1 + 1e-9)), (eps, lower, upper)
+
+
+def test_trace_is_monotone_in_eps(digits):
+    model = _random_model("lipschitz", 0)
+    bound = network_bound(model, digits.x_test[:6].double())
+    eps = torch.linspace(0, 1, 21, dtype=torch.float64)
+    d = torch.stack([bound.delta_out(float(e)) for e in eps], dim=1)  # (B, 21)
+    assert torch.all(d[:, 1:] >= d[:, :-1])
+    assert torch.all(d[:, 0] == 0)
+
+
+def test_fast_method_is_labelled_and_close(digits):
+    model = _random_model("lipschitz", 3)
+    x = digits.x_test[:4].double()
+    exact = network_bound(model, x, "lofast")
+    fast = network_bound(model, x, "lofast-fast")
+    assert exact.exact and not fast.exact
+    # Power iteration converges from below to the exact values.
+    d_exact, d_fast = exact.delta_out(0.1), fast.delta_out(0.1)
+    assert torch.all(d_fast <= d_exact * (1 + 1e-6))
+    assert torch.allclose(d_fast, d_exact, rtol=1e-3)
+
+
+def test_bad_eps_and_method(digits):
+    model = _random_model("lipschitz", 0)
+    bound = network_bound(model, digits.x_test[:2].double())
+    for eps in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            bound.delta_out(eps)
+    with pytest.raises(ValueError, match="unknown bound method"):
+        network_bound(model, digits.x_test[:2].double(), "magic")
+
+
+def test_margin_and_radius_closed_form():
+    logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]], dtype=torch.float64)
+    y = torch.tensor([0, 0])
+    m = margin(logits, y)
+    assert m.tolist() == [2.0, -2.0]
+    # δ_out(ε) = 4ε: certified iff 2 > √2·4ε, i.e. ε < 1/(2√2).
+    r = certified_radius(m, lambda e: 4 * e, tol=1e-6)
+    assert r[1] == 0
+    assert abs(float(r[0]) - 1 / (2 * math.sqrt(2))) < 2e-6
+    assert r[0] <= 1 / (2 * math.sqrt(2))
+    assert bool(is_certified(m[:1], 4 * r[:1]))
+
+
+def _attack_l2(model, x, y, eps, seed=0):
+    """Strongest of torchattacks PGDL2 (restarts) and a margin PGD: adversarial points."""
+    torch.manual_seed(seed)
+    atk = torchattacks.PGDL2(
+        model, eps=eps, alpha=eps / 8, steps=100, random_start=True
+    )
+    atk.set_model_training_mode(model_training=False)
+    best = x.clone()
+    best_margin = margin(model(x), y)
+    for _ in range(3):
+        adv = atk(x.float(), y).to(x.dtype)
+        # torchattacks clips to [0, 1]: that is inside the ℓ2 ball (a subset), fine.
+        assert torch.all((adv - x).flatten(1).norm(dim=1) <= eps * (1 + 1e-5))
+        m = margin(model(adv), y)
+        better = m < best_margin
+        best[better], best_margin[better] = adv[better], m[better]
+    return best, best_margin
+
+
+def test_certified_points_survive_attacks(trained, digits):
+    model = trained
+    x, y = digits.x_test[:64].double(), digits.y_test[:64]
+    eps = 0.1 if model.config.family == "lipschitz" else 0.01
+    report = certify_samples(model, x, y, ["lofast", "lofast-fast"], [eps])
+    cert = report.certified[f"lofast@{eps}"]
+    if model.config.family == "lipschitz":
+        assert cert.sum() > 0, "the lipschitz model should certify some points"
+    if cert.any():
+        xs, ys = x[cert], y[cert]
+        _, worst = _attack_l2(model.float(), xs.float(), ys, eps)
+        model.double()
+        assert torch.all(worst > 0), "a certified point was broken by PGD"
+        m = margin(model(xs), ys)
+        lower = pgd_deviation(model, xs, eps, steps=60, restarts=2)
+        assert torch.all(lower <= network_bound(model, xs).delta_out(eps))
+        assert torch.all(m > math.sqrt(2) * lower)
+
+
+def test_certified_radius_is_sound(trained, digits):
+    model = trained
+    x, y = digits.x_test[:32].double(), digits.y_test[:32]
+    bound = network_bound(model, x)
+    m = margin(bound.logits, y)
+    r = certified_radius(m, bound.delta_out, tol=1e-4)
+    pos = r > 0
+    assert torch.all(is_certified(m[pos], bound.delta_out(r[pos])))
+    assert torch.all(~is_certified(m, bound.delta_out(r + 2e-4)) | (r >= 10.0))
+    if pos.any():
+        radius = float(r[pos].min())
+        _, worst = _attack_l2(model.float(), x[pos].float(), y[pos], radius)
+        model.double()
+        assert torch.all(worst > 0)
+
+
+def test_report_counts_and_exact_flags(trained, digits):
+    x, y = digits.x_test[:16].double(), digits.y_test[:16]
+    report = certify_samples(
+        trained,
+        x,
+        y,
+        ["lofast", "lofast-fast", "specformer"],
+        [0.01, 0.05],
+        radius=True,
+    )
+    assert report.n == 16 and len(report.results) == 6
+    for r in report.results:
+        assert r.exact == (r.method != "lofast-fast")
+        assert 0 <= r.certified_accuracy <= report.clean_accuracy
+        assert r.seconds_per_sample > 0
+    # A larger ε never certifies more; SpecFormer never beats LoFAST here.
+    c = report.certified
+    assert torch.all(c["lofast@0.05"] <= c["lofast@0.01"])
+    assert c["specformer@0.01"].sum() <= c["lofast@0.01"].sum()
+    assert set(report.radii) == {"lofast", "lofast-fast", "specformer"}

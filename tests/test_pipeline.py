@@ -1,0 +1,129 @@
+"""`lipvit pipeline --fast` end to end: every step's files, the report, resume."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from analysis.report import Report, md_table, pipeline_report
+from lipvit.cli import main
+from lipvit.commands.pipeline import Settings, build_plan
+
+pytest.importorskip("torchattacks")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One fast pipeline run shared by the tests below (about 20-40 s on 2 cores)."""
+    out = tmp_path_factory.mktemp("pipe") / "demo"
+    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast"])
+    assert r.exit_code == 0, r.output
+    return out, r
+
+
+def test_every_step_wrote_its_files(run_dir):
+    out, r = run_dir
+    plan = build_plan(out, Settings.fast_mode(), crown=False)
+    for step in plan.steps:
+        for path in step.outputs:
+            assert path.is_file(), f"{step.key}: {path} missing"
+    record = json.loads((out / "pipeline.json").read_text())
+    assert record["fast"] is True
+    for step in plan.steps:
+        assert record["steps"][step.key]["status"] == "ran"
+        assert record["steps"][step.key]["seconds"] > 0
+    assert f"[{len(plan.steps)}/{len(plan.steps)}]" in r.output
+    assert torch.get_num_threads() >= 1
+
+
+def test_report_tables_links_and_commands(run_dir):
+    out, _ = run_dir
+    text = (out / "report.md").read_text()
+    for heading in (
+        "## Training",
+        "## Robust accuracy under attack",
+        "## Certified accuracy",
+        "## Tightness of the bounds",
+        "## Spectra: vanilla versus MSVP",
+        "## Timings",
+    ):
+        assert heading in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(links) >= 7  # 2 certified, 3 tightness, 2 spectrum figures
+    for link in links:
+        assert not Path(link).is_absolute() and (out / link).is_file(), link
+    # The tightness table carries the ratio of every bound at every eps.
+    data = json.loads((out / "tightness" / "layer" / "tightness.json").read_text())
+    for row in data["rows"]:
+        assert f"({row['ratio']:.4g}×)" in text
+    # Every reproducing command parses as the command it names.
+    commands = [ln for ln in text.splitlines() if ln.startswith("lipvit ")]
+    assert len(commands) == len(build_plan(out, Settings.fast_mode()).steps)
+    for line in commands:
+        args = shlex.split(line)[1:]
+        cmd, rest = main.get_command(None, args[0]), args[1:]
+        if isinstance(cmd, click.Group):  # `lipvit plot certified ...`
+            cmd, rest = cmd.get_command(None, rest[0]), rest[1:]
+        assert cmd is not None
+        with cmd.make_context(cmd.name, rest) as ctx:
+            assert ctx.params
+
+
+def test_second_run_skips_everything(run_dir):
+    out, _ = run_dir
+    before = (out / "models" / "vanilla.pt").stat().st_mtime_ns
+    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("outputs exist: skipped") == len(
+        build_plan(out, Settings.fast_mode()).steps
+    )
+    assert (out / "models" / "vanilla.pt").stat().st_mtime_ns == before
+
+
+def test_a_missing_output_reruns_only_its_step(run_dir):
+    out, _ = run_dir
+    (out / "tightness" / "network" / "tightness.csv").unlink()
+    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast"])
+    assert r.exit_code == 0, r.output
+    assert (out / "tightness" / "network" / "tightness.csv").is_file()
+    record = json.loads((out / "pipeline.json").read_text())
+    assert r.output.count("outputs exist: skipped") == len(record["steps"]) - 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--device", "nonsense"],
+        ["--epochs", "0"],
+        ["--msvp", "-1"],
+        ["--preset", "no-such-preset"],
+    ],
+)
+def test_bad_inputs(tmp_path, args):
+    r = CliRunner().invoke(
+        main, ["pipeline", "--out", str(tmp_path / "x"), "--fast", *args]
+    )
+    assert r.exit_code != 0
+    assert "Traceback" not in r.output
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1, r.output
+
+
+def test_report_writer_pieces(tmp_path):
+    assert md_table(["a", "b"], [[1.23456, "x|y"]]) == (
+        "| a | b |\n|---|---|\n| 1.235 | x\\|y |"
+    )
+    rep = Report("t", tmp_path)
+    (tmp_path / "f").mkdir()
+    rep.image(tmp_path / "f" / "p.png", "alt")
+    rep.code(["lipvit x"])
+    assert rep.render() == "# t\n\n![alt](f/p.png)\n\n```bash\nlipvit x\n```\n"
+    empty = pipeline_report(tmp_path, {}, {"dataset": "digits"}).render()
+    assert "## Training" not in empty  # sections without results are left out

@@ -1,0 +1,151 @@
+"""Tests for analysis.plots: Figures with the expected axes, series, labels, scales."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from matplotlib.collections import LineCollection
+from matplotlib.figure import Figure
+
+from analysis import plots as P
+
+EPS = np.array([0.01, 0.02, 0.05, 0.1])
+
+
+def _legend(ax) -> list[str]:
+    legend = ax.get_legend()
+    return [t.get_text() for t in legend.get_texts()] if legend else []
+
+
+def test_certified_accuracy_series_and_labels(tmp_path):
+    curves = {"lofast": (EPS, [0.9, 0.8, 0.5, 0.2]),
+              "crown": (EPS, [0.9, 0.85, 0.6, 0.3])}
+    empirical = {"PGD": (EPS, [0.95, 0.9, 0.8, 0.7])}
+    fig = P.plot_certified_accuracy(curves, empirical, x_label="ε (ℓ2)", title="t")
+    assert isinstance(fig, Figure) and len(fig.axes) == 1
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    assert [ln.get_label() for ln in lines] == ["lofast", "crown", "PGD"]
+    assert _legend(ax) == ["lofast", "crown", "PGD"]
+    np.testing.assert_allclose(lines[1].get_ydata(), [0.9, 0.85, 0.6, 0.3])
+    assert lines[2].get_linestyle() == "--"  # the empirical ceiling is dashed
+    assert ax.get_xlabel() == "ε (ℓ2)" and ax.get_ylabel() == "accuracy"
+    assert ax.get_ylim() == (0.0, 1.02) and ax.get_title() == "t"
+    assert not list(tmp_path.iterdir())  # nothing saved without a path
+
+
+def test_certified_accuracy_steps_and_styles():
+    fig = P.plot_certified_accuracy({"r": (EPS, [1.0, 0.5, 0.5, 0.0])}, step=True,
+                                    styles={"r": {"color": "red", "marker": "o"}})
+    line = fig.axes[0].get_lines()[0]
+    assert line.get_drawstyle() == "steps-post" and line.get_color() == "red"
+
+
+def test_certified_accuracy_rejects_mismatch():
+    with pytest.raises(ValueError, match="expected 4"):
+        P.plot_certified_accuracy({"a": (EPS, [0.1, 0.2])})
+    with pytest.raises(ValueError, match="nothing"):
+        P.plot_certified_accuracy({})
+
+
+def _band(mean):
+    mean = np.asarray(mean, dtype=float)
+    return mean, 0.8 * mean, 1.2 * mean
+
+
+def test_tightness_log_scale_and_ratio():
+    bounds = {"naive": _band(100 * EPS), "LoFAST": _band(1.05 * EPS)}
+    fig = P.plot_tightness(EPS, bounds, _band(EPS))
+    top, bottom = fig.axes
+    assert top.get_yscale() == "log" and bottom.get_yscale() == "log"
+    assert _legend(top) == ["naive", "LoFAST", "PGD (lower bound)"]
+    assert len(top.collections) == 3  # one shaded band per series
+    ratios = {ln.get_label(): ln.get_ydata() for ln in bottom.get_lines()
+              if not ln.get_label().startswith("_")}
+    np.testing.assert_allclose(ratios["naive"], 100.0)
+    np.testing.assert_allclose(ratios["LoFAST"], 1.05)
+    assert bottom.get_ylabel() == "bound / PGD" and bottom.get_xlabel() == "ε (ℓ2)"
+    single = P.plot_tightness(EPS, bounds, None)
+    assert len(single.axes) == 1 and single.axes[0].get_yscale() == "log"
+    with pytest.raises(ValueError, match="expected 4"):
+        P.plot_tightness(EPS, {"x": _band([1.0, 2.0])}, None)
+
+
+def test_spectra_bars_per_head_and_checkpoint():
+    rng = np.random.default_rng(0)
+    sigma = {"vanilla": {"W_q": rng.uniform(1, 2, (3, 4)),
+                         "W_v W_o": rng.uniform(1, 2, (3, 4))},
+             "MSVP": {"W_q": rng.uniform(0.5, 1, (3, 4)),
+                      "W_v W_o": rng.uniform(0.001, 0.01, (3, 4))}}
+    fig = P.plot_spectra(sigma)
+    ax_q, ax_vo = fig.axes
+    assert len(ax_q.patches) == 2 * 3 * 4  # checkpoints × layers × heads
+    heights = [p.get_height() for p in ax_q.patches]
+    np.testing.assert_allclose(heights[:12], sigma["vanilla"]["W_q"].ravel())
+    assert ax_q.get_yscale() == "linear"  # within a decade
+    assert ax_vo.get_yscale() == "log"  # spans three decades
+    assert ax_q.get_ylabel() == "σ_max($W_{q}$)"  # mathtext
+    assert ax_vo.get_ylabel() == "σ_max($W_{v} W_{o}$)"
+    assert _legend(ax_q) == ["vanilla", "MSVP"]
+    assert [t.get_text() for t in ax_q.get_xticklabels()] == ["block 1", "block 2",
+                                                              "block 3"]
+    with pytest.raises(ValueError, match="different shapes"):
+        P.plot_spectra({"a": {"W_q": np.ones((2, 2))}, "b": {"W_q": np.ones((3, 2))}})
+
+
+def test_jacobian_violin_log_and_medians():
+    rng = np.random.default_rng(1)
+    series = {"σ_max": {f"block {i}": rng.lognormal(2 * i, 0.2, 40) for i in range(3)},
+              "estimate": {f"block {i}": rng.lognormal(2 * i + 1, 0.2, 40)
+                           for i in range(3)}}
+    fig = P.plot_jacobian_violin(series)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"  # values span ~5 decades
+    assert _legend(ax) == ["σ_max", "estimate"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["block 0", "block 1",
+                                                            "block 2"]
+    # The first series' median segments sit at the data medians.
+    lines = [c for c in ax.collections if isinstance(c, LineCollection)]
+    levels = np.array([seg[0, 1] for c in lines for seg in c.get_segments()
+                       if seg[0, 1] == seg[1, 1]])  # horizontal marks
+    for values in series["σ_max"].values():  # median, min and max marks
+        for want in (np.median(values), values.min(), values.max()):
+            assert np.isclose(levels, want, rtol=1e-9).any()
+    plain = P.plot_jacobian_violin({"block 1": [1.0, 1.1, 1.2], "block 2": [2.0, 2.0]})
+    assert plain.axes[0].get_yscale() == "linear" and _legend(plain.axes[0]) == []
+    with pytest.raises(ValueError, match="finite"):
+        P.plot_jacobian_violin({"b": [1.0, np.nan]})
+
+
+def test_tsne_two_groups_and_title():
+    rng = np.random.default_rng(2)
+    emb = rng.normal(size=(30, 2))
+    attacked = np.arange(30) >= 10
+    fig = P.plot_tsne(emb, np.arange(30) % 3, attacked, a_distance=0.25,
+                      attacked_label="PGD")
+    ax = fig.axes[0]
+    sizes = [len(c.get_offsets()) for c in ax.collections]
+    assert sizes == [10, 20]
+    assert _legend(ax) == ["clean (n=10)", "PGD (n=20)"]
+    assert "A-distance" in ax.get_title() and "0.250" in ax.get_title()
+    assert ax.get_xlabel() == "t-SNE 1"
+    by_class = P.plot_tsne(emb, np.arange(30) % 3, attacked, color_by="class")
+    assert sum(len(c.get_offsets()) for c in by_class.axes[0].collections) == 30
+    with pytest.raises(ValueError, match="same length"):
+        P.plot_tsne(emb, np.arange(29), attacked)
+
+
+def test_save_png_and_pdf(tmp_path):
+    fig = P.plot_certified_accuracy({"a": (EPS, [0.5, 0.4, 0.3, 0.2])},
+                                    path=tmp_path / "cert", pdf=True)
+    assert isinstance(fig, Figure)
+    png, pdf = tmp_path / "cert.png", tmp_path / "cert.pdf"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pdf.read_bytes()[:5] == b"%PDF-"
+    written = P.save_figure(fig, tmp_path / "sub" / "x.pdf", pdf=True)
+    assert written == [tmp_path / "sub" / "x.pdf"]
+
+
+def test_spans_decades():
+    assert P.spans_decades([1.0, 150.0])
+    assert not P.spans_decades([1.0, 50.0], [0.0, -3.0])

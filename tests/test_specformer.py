@@ -1,0 +1,134 @@
+"""Tests for certify.specformer (SpecFormer Theorem 4.2, eq. 9, and its repair).
+
+Finding asserted here: eq. (9) is *not* an upper bound when
+``(N+1)(‖X0‖_F + δ0)² < 1`` (e.g. ``X0 = 0``); the repaired variant is, and
+eq. (9) holds whenever ``(N+1)(‖X0‖_F + δ0)² ≥ 1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from analysis.pgd import pgd_deviation
+from certify.attention import attention
+from certify.specformer import specformer_bound, specformer_terms
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def layer(seed: int, B=2, N=4, D=6, H=2, d=3, qk=1.0, x=1.0):
+    g = torch.Generator().manual_seed(seed)
+    W_q = torch.randn(H, D, d, generator=g, dtype=DT) * qk / math.sqrt(D)
+    W_k = torch.randn(H, D, d, generator=g, dtype=DT) * qk / math.sqrt(D)
+    W_v = torch.randn(H, D, d, generator=g, dtype=DT) / math.sqrt(D)
+    W_o = torch.randn(H, d, D, generator=g, dtype=DT) / math.sqrt(d)
+    X = torch.randn(B, N, D, generator=g, dtype=DT)
+    X = X * (x / torch.linalg.matrix_norm(X)[:, None, None])  # ‖X‖_F = x
+    return X, W_q, W_k, W_v, W_o
+
+
+def _norm(W):
+    return torch.linalg.matrix_norm(W, ord=2)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_formula(residual: bool) -> None:
+    X, W_q, W_k, W_v, W_o = layer(0, B=3, N=5, x=1.7)
+    eps = 0.03
+    N = X.shape[1]
+    lip = sum(_norm(W_o[h]) * N * (N + 1) * (1.7 + eps) ** 2
+              * (_norm(W_v[h]) * _norm(W_q[h]) * _norm(W_k[h]) + _norm(W_v[h]))
+              for h in range(2)) + float(residual)
+    out = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual)
+    assert out.shape == (3,)
+    assert torch.allclose(out, (lip * eps).expand(3), rtol=1e-12)
+    rep = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual, repaired=True)
+    qk = [_norm(W_q[h] @ W_k[h].T) / math.sqrt(3) for h in range(2)]  # d = 3
+    lip_rep = sum(_norm(W_o[h]) * N * _norm(W_v[h])
+                  * ((N + 1) * (1.7 + eps) ** 2 * qk[h] + 1)
+                  for h in range(2)) + float(residual)
+    assert torch.allclose(rep, (lip_rep * eps).expand(3), rtol=1e-12)
+    assert torch.all(rep <= out)  # (N+1)(‖X‖+ε)² ≥ 1 here
+
+
+def _jacobian_norm(X, W, residual: bool) -> torch.Tensor:
+    """Exact ‖∂F/∂X‖ at each sample (full Jacobian, SVD)."""
+    norms = []
+    for x in X:
+        J = torch.func.jacrev(lambda z: attention(z[None], *W, residual=residual)[0])(x)
+        norms.append(_norm(J.reshape(x.numel(), x.numel())))
+    return torch.stack(norms)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sound_when_input_norm_at_least_one(seed: int) -> None:
+    # LoFAST's regime (‖X‖_F = 1 after the projection): eq. (9) holds.
+    for qk, x in [(1.0, 1.0), (6.0, 1.0), (2.0, 3.0)]:
+        X, *W = layer(seed, qk=qk, x=x)
+        for residual in (True, False):
+            def fn(Z, W=W, residual=residual):
+                return attention(Z, *W, residual=residual)
+
+            for eps in (0.01, 0.3):
+                pgd = pgd_deviation(fn, X, eps, steps=60, restarts=2, seed=seed)
+                paper = specformer_bound(X, *W, eps, residual=residual)
+                rep = specformer_bound(X, *W, eps, residual=residual, repaired=True)
+                assert torch.all(pgd <= rep) and torch.all(rep <= paper)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_eq9_fails_for_small_inputs(residual: bool) -> None:
+    # Finding: at X0 = 0 the Jacobian is (11ᵀ/N) ⊗ Σ_h W_v W_o (+ I), of norm of
+    # order ‖W_v W_o‖, while eq. (9) vanishes like δ0³. PGD beats eq. (9).
+    _, *W = layer(1)
+    X = torch.zeros(2, 4, 6, dtype=DT)
+    X[1, 0, 0] = 0.02  # a tiny non-zero input as well
+    eps = 0.01
+    terms = specformer_terms(X, *W, residual=residual)
+    assert torch.all((X.shape[1] + 1) * (terms.x_norm + eps) ** 2 < 1)
+    paper = terms.delta(eps)
+    pgd = pgd_deviation(lambda Z: attention(Z, *W, residual=residual), X, eps,
+                        steps=100, restarts=4)
+    assert torch.all(pgd > paper * 1.05), (pgd, paper)
+    # The exact Jacobian norm at X0 already exceeds eq. (9)'s Lipschitz constant.
+    assert torch.all(_jacobian_norm(X, W, residual) > terms.lipschitz(eps))
+    # The repaired bound holds there.
+    rep = specformer_bound(X, *W, eps, residual=residual, repaired=True)
+    assert torch.all(pgd <= rep)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_repaired_lipschitz_bounds_jacobian_everywhere_in_ball(seed: int) -> None:
+    # sup of ‖J‖ over the ball ≤ repaired Lip: check at random points of the ball,
+    # for small and large inputs and sharp attention.
+    g = torch.Generator().manual_seed(seed)
+    cases = [(1.0, 0.0, 0.05), (1.0, 0.1, 0.02), (5.0, 1.0, 0.2), (3.0, 3.0, 0.5)]
+    for qk, x, eps in cases:
+        X0, *W = layer(seed + 10, B=1, N=3, D=4, H=2, d=2, qk=qk, x=max(x, 1e-300))
+        if x == 0.0:
+            X0 = torch.zeros_like(X0)
+        rep = specformer_terms(X0, *W, residual=True, repaired=True).lipschitz(eps)
+        G = torch.randn(6, *X0.shape[1:], generator=g, dtype=DT)
+        r = eps * torch.rand(6, 1, 1, generator=g, dtype=DT)
+        pts = X0 + G * (r / torch.linalg.matrix_norm(G)[:, None, None])  # in the ball
+        assert torch.all(_jacobian_norm(pts, W, True) <= rep)
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), "x"])
+def test_bad_eps(eps) -> None:
+    X, *W = layer(2)
+    with pytest.raises(ValueError):
+        specformer_bound(X, *W, eps)
+    with pytest.raises(ValueError):
+        specformer_terms(X, *W).delta(eps)
