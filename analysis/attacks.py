@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from certify.certification import margin as certification_margin
 from lipvit.errors import LipvitError
 
 Norm = Literal["linf", "l2"]
@@ -143,10 +144,11 @@ def __getattr__(name: str) -> Any:
 
 
 def margin(logits: Tensor, labels: Tensor) -> Tensor:
-    """CW margin ``max_{j≠y} z_j − z_y`` per sample ``(B,)``; > 0: misclassified."""
-    true = logits.gather(1, labels[:, None])[:, 0]  # (B,)
-    others = logits.scatter(1, labels[:, None], float("-inf"))  # (B, classes)
-    return others.amax(dim=1) - true
+    """CW margin ``max_{j≠y} z_j − z_y`` per sample ``(B,)``; > 0: misclassified.
+
+    The negated certification margin :func:`certify.certification.margin`.
+    """
+    return -certification_margin(logits, labels)
 
 
 @dataclass(frozen=True)

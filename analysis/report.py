@@ -127,32 +127,66 @@ TRAINING_HEADERS = [
 ]
 
 
-def attack_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
-    """Rows ``model, attack, ε (norm), robust accuracy`` of ``attack --json``."""
-    return [
-        [
-            name,
-            r["attack"],
-            f"{fmt(r['eps'])} ({data.get('norm')})",
-            pct(r["robust_accuracy"]),
-        ]
-        for r in data["results"]
-    ]
+def _wide(
+    rows: Sequence[Mapping[str, Any]], key: str, value: str
+) -> tuple[list[float], dict[str, dict[float, Any]]]:
+    """Pivot result rows to ``key`` → ε → ``value`` (keys in order of appearance)."""
+    eps = sorted({float(r["eps"]) for r in rows})
+    table: dict[str, dict[float, Any]] = {}
+    for r in rows:
+        table.setdefault(r[key], {})[float(r["eps"])] = r[value]
+    return eps, table
 
 
-def certify_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
-    """Rows ``model, method, ε, certified accuracy, s/sample, exact``."""
-    return [
-        [
-            name,
-            r["method"],
-            r["eps"],
-            pct(r["certified_accuracy"]),
-            r["seconds_per_sample"],
-            "yes" if r.get("exact", True) else "no (estimate)",
-        ]
-        for r in data["results"]
+def attack_table(
+    runs: Mapping[str, Mapping[str, Any]],
+) -> tuple[list[str], list[list[Any]]]:
+    """Robust accuracy, one row per (model, attack) and one column per ε.
+
+    Args:
+        runs: model name → ``lipvit attack --json`` output (same ε for all).
+    """
+    all_eps = sorted({float(r["eps"]) for d in runs.values() for r in d["results"]})
+    norm = next(iter(runs.values())).get("norm", "")
+    headers = ["model", "attack", *(f"ε = {fmt(e)} ({norm})" for e in all_eps)]
+    rows = []
+    for name, data in runs.items():
+        _, table = _wide(data["results"], "attack", "robust_accuracy")
+        for attack, by_eps in table.items():
+            rows.append([name, attack, *(pct(by_eps.get(e)) for e in all_eps)])
+    return headers, rows
+
+
+def certify_table(
+    runs: Mapping[str, Mapping[str, Any]],
+) -> tuple[list[str], list[list[Any]]]:
+    """Certified accuracy, one row per (model, method), one column per ε, then the
+    mean seconds per sample and whether the method certifies (``exact``)."""
+    all_eps = sorted({float(r["eps"]) for d in runs.values() for r in d["results"]})
+    headers = [
+        "model",
+        "method",
+        *(f"ε = {fmt(e)}" for e in all_eps),
+        "s/sample",
+        "exact",
     ]
+    rows = []
+    for name, data in runs.items():
+        _, table = _wide(data["results"], "method", "certified_accuracy")
+        for method, by_eps in table.items():
+            mine = [r for r in data["results"] if r["method"] == method]
+            seconds = sum(r["seconds_per_sample"] for r in mine) / len(mine)
+            exact = all(r.get("exact", True) for r in mine)
+            rows.append(
+                [
+                    name,
+                    method,
+                    *(pct(by_eps.get(e)) for e in all_eps),
+                    seconds,
+                    "yes" if exact else "no (estimate)",
+                ]
+            )
+    return headers, rows
 
 
 def radius_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
@@ -238,6 +272,7 @@ def deviation_rows(data: Mapping[str, Any]) -> list[list[Any]]:
             r["checkpoint"],
             r["eps"],
             r["first_order_mean"],
+            r.get("product_mean"),
             r["certified_mean"],
             r["pgd_mean"],
         ]
@@ -255,6 +290,14 @@ def _read(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def _budget(trace: Mapping[str, Any], j: int, i: int) -> str:
+    """Cell ``all / cls`` of a network trace at ε index ``j`` and step ``i``."""
+    cell = fmt(trace["mean"][j][i])
+    if "mean_cls" in trace:
+        cell += f" / {fmt(trace['mean_cls'][j][i])}"
+    return cell
 
 
 def _commands(report: Report, commands: Mapping[str, str], keys: Sequence[str]) -> None:
@@ -331,10 +374,7 @@ def pipeline_report(
             "of the true robust accuracy (the empirical ceiling of the certified "
             "accuracy below)."
         )
-        rows = [
-            row for name, data in attacks.items() for row in attack_rows(name, data)
-        ]
-        rep.table(["model", "attack", "ε (norm)", "robust accuracy"], rows)
+        rep.table(*attack_table(attacks))
         _commands(rep, commands, [f"attack/{n}" for n in attacks])
 
     # Certification.
@@ -350,12 +390,8 @@ def pipeline_report(
             "model is a standard (LayerNorm) ViT: its bound goes through the local "
             "LayerNorm constants (MATH.md §6)."
         )
-        rows = [row for name, data in certs.items() for row in certify_rows(name, data)]
-        if rows:
-            rep.table(
-                ["model", "method", "ε", "certified accuracy", "s/sample", "exact"],
-                rows,
-            )
+        if certs:
+            rep.table(*certify_table(certs))
         rrows = [row for name, data in certs.items() for row in radius_rows(name, data)]
         if rrows:
             rep.text(
@@ -372,10 +408,7 @@ def pipeline_report(
                 f"CROWN (auto_LiRPA) and the LoFAST→CROWN cascade on the lipschitz "
                 f"model, n = {crown.get('n')} (CROWN is slow on a CPU):"
             )
-            rep.table(
-                ["model", "method", "ε", "certified accuracy", "s/sample", "exact"],
-                certify_rows("lipschitz", crown),
-            )
+            rep.table(*certify_table({"lipschitz": crown}))
         elif record.get("crown_available") is False:
             rep.text(
                 "CROWN: auto_LiRPA is not installed, so the CROWN rows are missing "
@@ -384,7 +417,9 @@ def pipeline_report(
         else:
             rep.text(
                 "CROWN and the LoFAST→CROWN cascade were not run (on a CPU CROWN takes "
-                "minutes per sample for this model); `lipvit pipeline --crown` adds "
+                "minutes per sample for this model: about 100 s per sample measured "
+                "for the digits-small lipschitz model on 2 cores); `lipvit pipeline "
+                "--crown` adds "
                 "them, or run `lipvit certify --method lofast,crown,cascade` on a few "
                 "samples."
             )
@@ -436,13 +471,16 @@ def pipeline_report(
             trace = (data.get("traces") or {}).get("lofast")
             if trace:
                 rep.text(
-                    "Where the composed `lofast` bound grows: the mean budget after "
-                    "each step (column ε: the input radius)."
+                    "Where the composed `lofast` bound grows: mean budget after each "
+                    "step for the whole token matrix"
+                    + (" / the class token" if "mean_cls" in trace else "")
+                    + " (the head reads the class token)."
                 )
+                n_eps = len(data["eps"])
                 rep.table(
                     ["step", *(f"ε = {fmt(e)}" for e in data["eps"])],
                     [
-                        [name, *(row[i] for row in trace["mean"])]
+                        [name, *(_budget(trace, j, i) for j in range(n_eps))]
                         for i, name in enumerate(trace["steps"])
                     ],
                 )
@@ -494,12 +532,16 @@ def pipeline_report(
             rep.text(
                 "Deviation of the last block's output tokens for an image "
                 "perturbation of ℓ2 norm ε: the first-order estimate "
-                "ε·gain·exp(Σ_k σ_k) (Cauchy eq. 15; gain = ‖W_pe‖/min std, exact), "
-                "the certified budget of the composed LoFAST bound at the same "
-                "place (an upper bound) and PGD (a lower bound). Means over the "
-                "samples."
+                "ε·gain·exp(Σ_k σ_k) (Cauchy eq. 15; gain = ‖W_pe‖/min std, exact) "
+                "and its discrete form ε·gain·Π_k(1 + σ_k) (σ_k = σ_max(J_F) of block "
+                "k at the clean point; neither is a bound), the certified budget of "
+                "the composed LoFAST bound at the same place (an upper bound) and PGD "
+                "(a lower bound). Means over the samples."
             )
-            rep.table(["model", "ε", "ε·exp(Σσ)", "certified", "PGD"], dev)
+            rep.table(
+                ["model", "ε", "ε·gain·exp(Σσ)", "ε·gain·Π(1+σ)", "certified", "PGD"],
+                dev,
+            )
         _commands(rep, commands, ["spectrum"])
 
     # Timings.

@@ -49,7 +49,7 @@ from analysis.jacobian import (
     jacobian_l1_linf_estimate,
 )
 from analysis.pgd import pgd_deviation
-from analysis.tightness import block_inputs
+from analysis.tightness import block_inputs, token_budgets
 from lipvit.model import ViT
 from lipvit.spectral import spectral_norm
 
@@ -202,6 +202,9 @@ class FirstOrder:
         eps: radii ``(E,)`` in image space.
         first_order: ``ε · gain · exp(Σ_k σ_k)`` per sample, ``(E, B)``: an
             estimate (Cauchy paper eq. 15), not a bound.
+        product: ``ε · gain · Π_k (1 + σ_k)``, ``(E, B)``: the same first-order
+            estimate for discrete residual steps (``‖I + J‖ ≤ 1 + ‖J‖``, which
+            ``e^{‖J‖}`` bounds again); ``≤ first_order``, also not a bound.
         certified: the sound budget of :func:`certify.network.network_bound`
             after the last block, ``(E, B)``.
         pgd: PGD lower bound of the same deviation, ``(E, B)``.
@@ -212,6 +215,7 @@ class FirstOrder:
 
     eps: np.ndarray
     first_order: np.ndarray
+    product: np.ndarray
     certified: np.ndarray
     pgd: np.ndarray
     gain: float
@@ -257,11 +261,17 @@ def first_order_deviation(
     gain = embed_gain(model)
     growth = np.exp(jac.sum_sigma)  # (B,)
     first = values[:, None] * gain * growth[None, :]  # (E, B)
+    product = values[:, None] * gain * np.prod(1 + jac.sigma, axis=0)[None, :]
     if progress:
         progress("certified budget")
     nb = network_bound(model, x, method)
     last = max(i for i, s in enumerate(nb.steps) if s.name.startswith("block"))
-    cert = np.stack([nb.trace(float(e))[:, last + 1].cpu().numpy() for e in values])
+    cert = np.stack(
+        [
+            token_budgets(nb.trace(float(e)))[0][:, last + 1].cpu().numpy()
+            for e in values
+        ]
+    )
 
     def tokens(xp: Tensor) -> Tensor:
         X = model.embed(xp)
@@ -280,7 +290,9 @@ def first_order_deviation(
             .cpu()
             .numpy()
         )
-    return FirstOrder(values, first, cert, np.stack(pgd), gain, method, jac.exact)
+    return FirstOrder(
+        values, first, product, cert, np.stack(pgd), gain, method, jac.exact
+    )
 
 
 @dataclass(frozen=True)

@@ -204,10 +204,11 @@ class Tightness:
         residual: ``H = I`` (``True``) or ``H = 0`` for a layer target.
         notes: methods skipped and why, and other remarks.
         pgd_settings: the PGD settings used.
-        traces: network target only: method → ``{"steps": names, "mean": (E, S+1)}``,
-            the mean budget after each step of the composed bound
-            (:meth:`certify.network.NetworkBound.trace`; column 0 is ε), which
-            shows where the bound grows.
+        traces: network target only: method → ``{"steps": names, "mean": (E, S+1),
+            "mean_cls": (E, S+1)}``, the mean budgets of the whole token matrix
+            and of the class token after each step of the composed bound
+            (:meth:`certify.network.NetworkBound.trace`; column 0 is the input),
+            which show where the bound grows.
     """
 
     target: str
@@ -364,16 +365,34 @@ def box_to_l2(F0: Tensor, lb: Tensor, ub: Tensor) -> Tensor:
 
 
 class _LayerNet(nn.Module):
-    """``Z ↦ flatten(H Z + attn(Z))`` with verifier-friendly operators, ``(B, N·D)``."""
+    """``vec(Z) ↦ vec(H Z + attn(Z))`` with verifier-friendly operators.
 
-    def __init__(self, attn: nn.Module, residual: bool, dtype: torch.dtype):
+    Input and output are flat, ``(B, N·D)``, as :func:`certify.crown.bound_module`
+    takes them; an identity ``Linear`` comes first because auto_LiRPA reads the
+    ℓ2 radius at the first linear map of the input.
+    """
+
+    def __init__(
+        self,
+        attn: nn.Module,
+        shape: tuple[int, int],
+        residual: bool,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         from certify.verifiable import VerifiableAttention
 
-        self.attn = VerifiableAttention(attn, dtype)
+        n = shape[0] * shape[1]
+        self.shape = shape
+        self.enter = nn.Linear(n, n, bias=False, dtype=dtype)
+        with torch.no_grad():
+            self.enter.weight.copy_(torch.eye(n, dtype=dtype))
+        self.enter.requires_grad_(False)
+        self.attn = VerifiableAttention(attn).to(dtype)
         self.residual = residual
 
-    def forward(self, Z: Tensor) -> Tensor:
+    def forward(self, z: Tensor) -> Tensor:
+        Z = self.enter(z).reshape(z.shape[0], *self.shape)  # (B, N, D)
         out = self.attn(Z)  # (B, N, D)
         if self.residual:
             out = out + Z
@@ -383,10 +402,12 @@ class _LayerNet(nn.Module):
 def _crown_layer(block, Z: Tensor, residual: bool, eps: float) -> Tensor:
     from certify.crown import bound_module
 
-    net = _LayerNet(block.attn, residual, Z.dtype).to(Z.device)
+    B, N, D = Z.shape
+    net = _LayerNet(block.attn, (N, D), residual, Z.dtype).to(Z.device)
+    z = Z.reshape(B, N * D)  # (B, N·D)
     with torch.no_grad():
-        F0 = net(Z)
-    lb, ub = bound_module(net, Z, eps)
+        F0 = net(z)
+    lb, ub = bound_module(net, z, eps)
     return box_to_l2(F0, lb, ub)
 
 
@@ -583,6 +604,34 @@ def layer_tightness(
     )
 
 
+def token_budgets(trace: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Split :meth:`certify.network.NetworkBound.trace` into ``(all, cls)`` budgets.
+
+    ``all`` ``(B, S+1)`` bounds the whole token matrix's perturbation after each
+    step, ``cls`` ``(B, S+1)`` the class token's (``None`` for a chain that
+    tracks one budget only, a ``(B, S+1)`` trace).
+    """
+    if trace.ndim == 3:
+        return trace[..., 0], trace[..., 1]
+    return trace, None
+
+
+def _trace_means(nb, eps: np.ndarray) -> dict[str, Any]:
+    """Mean budgets after every step of a composed bound, per ε: ``(E, S+1)`` each."""
+    alls, clss = [], []
+    for e in eps:
+        a, c = token_budgets(nb.trace(float(e)))
+        alls.append(a.mean(dim=0))
+        clss.append(None if c is None else c.mean(dim=0))
+    out = {
+        "steps": ["input", *(st.name for st in nb.steps)],
+        "mean": torch.stack(alls).cpu().numpy(),
+    }
+    if clss[0] is not None:
+        out["mean_cls"] = torch.stack(clss).cpu().numpy()
+    return out
+
+
 def network_tightness(
     model: ViT,
     x: Tensor,
@@ -639,12 +688,8 @@ def network_tightness(
             if progress:
                 progress(f"{name} bound")
             nb = network_bound(model, x, name)
-            trace = torch.stack([nb.trace(float(e)) for e in eps_arr])  # (E, B, S+1)
-            values = list(trace[:, :, -1])
-            traces[name] = {
-                "steps": ["input", *(st.name for st in nb.steps)],
-                "mean": trace.mean(dim=1).cpu().numpy(),
-            }
+            values = [nb.delta_out(float(e)) for e in eps_arr]
+            traces[name] = _trace_means(nb, eps_arr)
         bounds[name] = torch.stack(values).cpu().numpy()
         seconds[name] = time.perf_counter() - t0
     pgd_values, seconds["pgd"] = _pgd(model, x, eps_arr, pgd, progress)
@@ -685,7 +730,8 @@ def tightness_figure(
     bounds = {}
     for name, values in result.bounds.items():
         method = result.methods[name]
-        bounds[method.label + ("" if method.exact else " (estimate)")] = band(values)
+        estimate = not method.exact and "estimate" not in method.label
+        bounds[method.label + (" (estimate)" if estimate else "")] = band(values)
     if result.target == "layer":
         x_label = "ε (Frobenius radius at the attention input Z)"
         y_label = "deviation ‖F(Z′) − F(Z)‖ (Frobenius)"

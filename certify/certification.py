@@ -18,14 +18,17 @@ SQRT2 = math.sqrt(2.0)
 
 
 def margin(logits: Tensor, y: Tensor) -> Tensor:
-    """``M(x) = F(x)_y − max_{j≠y} F(x)_j``, shape ``(B,)``; negative when misclassified."""
+    """``M(x) = F(x)_y − max_{j≠y} F(x)_j``, ``(B,)``; negative when misclassified."""
     true = logits.gather(1, y[:, None]).squeeze(1)
     others = logits.scatter(1, y[:, None], float("-inf"))
     return true - others.amax(dim=1)
 
 
 def is_certified(margins: Tensor, delta: Tensor) -> Tensor:
-    """LoFAST Prop. 1: ``M(x) > √2 δ(x, ε)`` (implies a correct prediction); ``(B,)`` bool."""
+    """LoFAST Prop. 1: ``M(x) > √2 δ(x, ε)`` (implies a correct prediction).
+
+    Returns a ``(B,)`` bool tensor.
+    """
     return (margins > 0) & (margins > SQRT2 * delta)
 
 

@@ -328,12 +328,14 @@ def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7) -> float:
 
     For ``μ = lower · (1 + τ)``, ``τ = τ0, 10 τ0, …, ≤ 0.1``: if a floating-point
     Cholesky factorisation of ``μ I − G − c I`` runs to completion, then
-    ``μ I − G`` is positive definite and ``λ_max(G) < μ``. Cholesky's backward
-    error is ``|ΔA| ≤ γ_{n+1} d dᵀ`` with ``d_i² `` the diagonal of the factored
-    matrix (Demmel 1989; Rump, "Verification of positive definiteness", BIT
-    2006), so ``‖ΔA‖ ≤ γ_{n+1} tr``; the margin
+    ``μ I − G`` is positive definite and ``λ_max(G) < μ``: a completed
+    Cholesky factor ``R`` of ``Ã`` satisfies ``RᵀR = Ã + ΔA`` with
+    ``|ΔA| ≤ γ_{n+1} |Rᵀ||R|`` (Demmel 1989; Higham, *Accuracy and Stability of
+    Numerical Algorithms*, Thm. 10.5; Rump, BIT 2006), hence
+    ``‖ΔA‖ ≤ γ_{n+1}/(1 − γ_{n+1}) · tr(Ã)``, and ``Ã + ΔA ≻ 0``; the margin
     ``c = 2 γ_{n+2}/(1 − 2γ_{n+2}) · tr(μ I − G)`` (``γ_k = k u/(1 − k u)``)
-    exceeds it with a factor 2 to spare. If every ``τ`` fails, falls back to
+    exceeds ``‖ΔA‖`` with a factor 2 to spare (covering the rounding of the
+    shifted diagonal). If every ``τ`` fails, falls back to
     ``eigvalsh``. ``G`` is negated in place during the call and restored
     exactly.
 

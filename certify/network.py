@@ -1,4 +1,4 @@
-"""End-to-end local sensitivity of a whole ViT: ``δ_out(x, ε) ≥ ‖logits(x') − logits(x)‖₂``.
+"""End-to-end local sensitivity of a ViT: ``δ_out(x, ε) ≥ ‖logits(x') − logits(x)‖₂``.
 
 The bound composes layer bounds along the network (LoFAST §5.2, MATH.md §1, §5,
 §6): ``ε_{k+1} = δ_k(X_k, ε_k)`` with ``X_k`` the clean input of layer ``k``.
@@ -48,6 +48,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from certify.attention import attention_probs, value_output
 from certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_is_identity,
@@ -64,6 +65,10 @@ from lipvit.model import ViT
 Method = Literal["lofast", "lofast-fast", "specformer"]
 DeltaFn = Callable[[Tensor], Tensor]  # (B,) budget in -> (B,) bound out
 METHODS: tuple[str, ...] = ("lofast", "lofast-fast", "specformer")
+POWER_ITERATIONS, POWER_TOL = 300, 1e-7
+"""Power-iteration budget of ζ and ‖M_h(X)‖: the estimate of ``lofast-fast``, and
+only the starting point of the Cholesky certificate of ``lofast`` (whose
+soundness does not depend on it; a poorer start costs retries, not validity)."""
 LOFAST_VARIANT = "local"
 """The LoFAST δ2 used: ``"local"``, the tightest proven one (softmax's local
 constant, an extension of the paper tested against PGD in tests/test_lofast.py)."""
@@ -114,7 +119,10 @@ class NetworkBound:
         return torch.stack(out, dim=1)
 
     def delta_out(self, eps: float | Tensor) -> Tensor:
-        """``δ_out(x, ε) ≥ ‖logits(x') − logits(x)‖₂`` for ``‖x' − x‖₂ ≤ ε``, ``(B,)``."""
+        """``δ_out(x, ε) ≥ ‖logits(x') − logits(x)‖₂`` for ``‖x' − x‖₂ ≤ ε``.
+
+        Returns a ``(B,)`` tensor.
+        """
         return self.trace(eps)[:, -1, 1]
 
 
@@ -125,8 +133,42 @@ def _as_budget(eps: float | Tensor, like: Tensor) -> Tensor:
     return eps_t.expand(like.shape[0]).clone() if eps_t.ndim == 0 else eps_t
 
 
-def _attention_delta(X: Tensor, attn, residual: bool, method: str) -> DeltaFn:
-    """``ε ↦`` bound of ``‖F(X') − F(X)‖_F`` for one attention layer at clean ``X``."""
+def class_row_sensitivity(P: Tensor, W_vo: Tensor) -> Tensor:
+    """ζ_cls(X): exact norm of ``Γ ↦ Σ_h P_h[0, :] Γ W_vo[h]`` (the class row of Δ1).
+
+    The class token's row of LoFAST's first-order term (eq. 10, ``H = 0``) is
+    ``Σ_n (Σ_h P_h[0, n] W_vo[h]ᵀ) Γ[n]ᵀ``: the ``D × N·D`` matrix
+    ``K = [K_1 … K_N]``, ``K_n = Σ_h P_h[0, n] W_vo[h]ᵀ``, whose norm is
+    ``√λ_max(Σ_n K_n K_nᵀ)`` (dense ``D × D`` eigvalsh: exact up to float
+    rounding). Under diffuse attention it is about ``‖W_vo‖/√N``, while the
+    whole-matrix ζ is about ``‖W_vo‖`` (extension; tested against brute force).
+
+    Args:
+        P: attention ``(B, H, N, N)``.
+        W_vo: ``W_v[h] W_o[h]``, ``(H, D, D)``.
+
+    Returns:
+        ``(B,)``.
+    """
+    K = torch.einsum("bhn,hED->bnDE", P[:, :, 0], W_vo)  # (B, N, D, D): K_n
+    gram = torch.einsum("bnij,bnkj->bik", K, K)  # (B, D, D): Σ_n K_n K_nᵀ
+    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
+
+
+class AttentionBound(NamedTuple):
+    """Bounds ``ε ↦ (B,)`` of one attention layer's change at a clean input."""
+
+    whole: DeltaFn  # ‖F(X') − F(X)‖_F
+    cls: DeltaFn  # ‖[F(X') − F(X)]_0‖ (class row), H = 0 only
+
+
+def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionBound:
+    """Bounds of ``‖F(X') − F(X)‖`` over ``‖X' − X‖_F ≤ ε`` for one attention layer.
+
+    The class-row bound is ``ζ_cls ε + δ2`` with LoFAST's δ2 of the whole
+    matrix (a row's norm is at most the Frobenius norm); SpecFormer has no row
+    form and uses its whole bound for both.
+    """
     b = attn.head_biases()
     if b.b_q is not None and (b.b_q.abs().max() > 0 or b.b_k.abs().max() > 0):
         raise UnsupportedModelError(
@@ -134,29 +176,45 @@ def _attention_delta(X: Tensor, attn, residual: bool, method: str) -> DeltaFn:
         )
     W = attn.head_weights()
     if method == "specformer":
-        return specformer_terms(X, *W, residual=residual).delta
-    terms = lofast_terms(X, *W, residual=residual, exact=method == "lofast")
-    return lambda eps: terms.delta(eps, LOFAST_VARIANT)
+        whole = specformer_terms(X, *W, residual=residual).delta
+        return AttentionBound(whole, whole)
+    terms = lofast_terms(X, *W, residual=residual, exact=method == "lofast",
+                         n_iter=POWER_ITERATIONS, tol=POWER_TOL)
+    Xw = X.to(torch.float64)
+    Ww = [w.to(torch.float64) for w in W]
+    zeta_cls = class_row_sensitivity(
+        attention_probs(Xw, *Ww[:2]), value_output(*Ww[2:])
+    )
+    zeta_cls = zeta_cls.to(X.dtype)
+
+    def whole(eps: Tensor) -> Tensor:
+        return terms.delta(eps, LOFAST_VARIANT)
+
+    def cls(eps: Tensor) -> Tensor:
+        bound = terms.bound(eps)
+        return torch.minimum(zeta_cls * eps + bound.delta_2_local, bound.total_local)
+
+    return AttentionBound(whole, cls)
 
 
 def _lipschitz_block(block, X: Tensor, method: str) -> list[LayerStep]:
     norm1: LayerProject = block.norm1
     dims = (-1,) if norm1.mode == "token" else (-2, -1)
-    attn_h0 = _attention_delta(norm1(X), block.attn, residual=False, method=method)
+    attn_h0 = _attention_bound(norm1(X), block.attn, residual=False, method=method)
     # Samples whose projection is the identity on a ball around X (‖X‖ < R) may
     # use the residual form of ζ; it is computed only for them.
     norms = torch.linalg.vector_norm(X, dim=dims)  # (B, N) per token or (B,) whole
     inside = (norms.amax(dim=-1) if norm1.mode == "token" else norms) < norm1.radius
     attn_h1 = (
-        _attention_delta(X[inside], block.attn, residual=True, method=method)
+        _attention_bound(X[inside], block.attn, residual=True, method=method).whole
         if inside.any()
         else None
     )
 
     def attention_step(b: Budget) -> Budget:
-        L = layer_project_local_lipschitz(X, norm1.radius, b.all, norm1.mode)
-        change = attn_h0(L * b.all)  # ‖A(P(X')) − A(P(X))‖_F
-        delta = b.all + change
+        lip = layer_project_local_lipschitz(X, norm1.radius, b.all, norm1.mode)
+        eps_in = lip * b.all
+        delta = b.all + attn_h0.whole(eps_in)
         if attn_h1 is not None:
             identity = layer_project_is_identity(
                 X[inside], norm1.radius, b.all[inside], norm1.mode
@@ -164,7 +222,7 @@ def _lipschitz_block(block, X: Tensor, method: str) -> list[LayerStep]:
             tight = torch.where(identity, attn_h1(b.all[inside]), delta[inside])
             delta = delta.clone()
             delta[inside] = torch.minimum(delta[inside], tight)
-        return Budget(delta, b.cls + change)
+        return Budget(delta, b.cls + attn_h0.cls(eps_in))
 
     X_mid = X + block.attn(norm1(X))
     radius = block.norm2.radius
@@ -179,12 +237,11 @@ def _lipschitz_block(block, X: Tensor, method: str) -> list[LayerStep]:
 
 def _standard_block(block, X: Tensor, method: str) -> list[LayerStep]:
     ln1, ln2 = block.norm1, block.norm2
-    attn_h0 = _attention_delta(ln1(X), block.attn, residual=False, method=method)
+    attn_h0 = _attention_bound(ln1(X), block.attn, residual=False, method=method)
 
     def attention_step(b: Budget) -> Budget:
-        L = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.all)
-        change = attn_h0(L * b.all)
-        return Budget(b.all + change, b.cls + change)
+        eps_in = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.all) * b.all
+        return Budget(b.all + attn_h0.whole(eps_in), b.cls + attn_h0.cls(eps_in))
 
     X_mid = X + block.attn(ln1(X))
     mlp_lip = gelu_mlp_local_lipschitz(block.mlp.fc1.weight, block.mlp.fc2.weight)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import lipvit
+from analysis.tightness import token_budgets
 from certify.certification import certified_radius, is_certified, margin
 from certify.network import network_bound
 from lipvit.checkpoint import load_checkpoint
@@ -67,12 +68,15 @@ def main() -> None:
         f"certified radius: median {float(radius.median()):.4f}, "
         f"max {float(radius.max()):.4f}"
     )
-    print("budget through the layers at eps = 0.05 (first sample):")
-    trace = bound.trace(0.05)[0]
-    for step, value in zip(
-        ("input", *(s.name for s in bound.steps)), trace, strict=True
-    ):
-        print(f"  {step:22} {float(value):.5f}")
+    print(
+        "budget through the layers at eps = 0.05, first sample (whole token matrix "
+        "/ class token; the head reads the class token):"
+    )
+    tokens, cls = token_budgets(bound.trace(0.05))  # (B, steps + 1) each
+    names = ("input", *(s.name for s in bound.steps))
+    for k, step in enumerate(names):
+        extra = "" if cls is None else f" / {float(cls[0, k]):.5f}"
+        print(f"  {step:22} {float(tokens[0, k]):.5f}{extra}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""lipvit: train Vision Transformers with spectral penalties and certify their robustness."""
+"""lipvit: train Vision Transformers with spectral penalties; certify robustness."""
 
 from lipvit.config import PRESETS, ViTConfig, preset
 from lipvit.model import Attention, HeadBiases, HeadWeights, ViT

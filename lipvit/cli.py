@@ -1,4 +1,4 @@
-"""The ``lipvit`` command line: a click group whose commands live in ``lipvit.commands``.
+"""The ``lipvit`` command line: a click group; its commands live in ``lipvit.commands``.
 
 Commands are thin: parse options, build a config, call the library, write files.
 User errors (``ValueError``, ``TypeError``, ``FileNotFoundError`` and

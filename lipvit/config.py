@@ -90,7 +90,8 @@ class ViTConfig:
             )
         if self.attn_project not in ("frobenius", "token"):
             raise ValueError(
-                f"attn_project must be 'frobenius' or 'token', got {self.attn_project!r}"
+                "attn_project must be 'frobenius' or 'token', "
+                f"got {self.attn_project!r}"
             )
         if not self.mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")

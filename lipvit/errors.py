@@ -2,7 +2,7 @@
 
 
 class LipvitError(Exception):
-    """A user-facing error: bad input, a missing or corrupt file, an unsupported model."""
+    """A user-facing error: bad input, a missing/corrupt file, an unsupported model."""
 
 
 class CheckpointError(LipvitError):

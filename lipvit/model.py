@@ -49,7 +49,7 @@ class HeadBiases(NamedTuple):
 
 
 class Attention(nn.Module):
-    """Multi-head dot-product self-attention, ``Σ_h softmax(q_h k_hᵀ/√d) v_h W_o[h]``."""
+    """Multi-head dot-product self-attention ``Σ_h softmax(q_h k_hᵀ/√d) v_h W_o[h]``."""
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
@@ -221,7 +221,7 @@ class ViT(nn.Module):
         return self.norm(tokens)
 
     def forward_head(self, tokens: Tensor) -> Tensor:
-        """Final tokens ``(B, N, D)`` to logits ``(B, classes)`` from the class token."""
+        """Final tokens ``(B, N, D)`` → logits ``(B, classes)`` from the class token."""
         return self.head(tokens[:, 0])
 
     def forward(self, x: Tensor) -> Tensor:

@@ -86,7 +86,8 @@ def power_iteration(
     sigma = None
     converged = torch.zeros((), dtype=torch.bool, device=v.device)
     it = 0
-    for it in range(1, n_iter + 1):
+    while it < n_iter:
+        it += 1
         Av = matvec(v)
         new_sigma = _norm(Av, out_ndim)
         u = Av / new_sigma.clamp_min(1e-30).reshape(new_sigma.shape + (1,) * out_ndim)
@@ -109,7 +110,7 @@ def power_iteration(
 def matrix_power_iteration(
     W: Tensor, v: Tensor, n_iter: int = 1, tol: float | None = None
 ) -> PowerIteration:
-    """:func:`power_iteration` for explicit batched matrices ``W`` of shape ``(..., m, n)``.
+    """:func:`power_iteration` for explicit batched matrices ``W`` ``(..., m, n)``.
 
     ``v`` has shape ``(..., n)``. Returns estimates from below (see
     :func:`power_iteration`).
@@ -124,7 +125,7 @@ def matrix_power_iteration(
 
 
 def spectral_norm(W: Tensor) -> Tensor:
-    """Exact largest singular value of each matrix in ``W`` (``(..., m, n)`` → ``(...)``).
+    """Exact largest singular value per matrix of ``W``: ``(..., m, n)`` → ``(...)``.
 
     Dense SVD through ``torch.linalg.matrix_norm(ord=2)``; differentiable. This
     is the value a certificate may use (float rounding aside).

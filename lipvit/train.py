@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
@@ -41,6 +40,7 @@ from lipvit.checkpoint import load_checkpoint, save_checkpoint
 from lipvit.config import ViTConfig
 from lipvit.data import Dataset, augment
 from lipvit.errors import CheckpointError, LipvitError
+from lipvit.files import write_json
 from lipvit.model import ViT
 from lipvit.msvp import MSVP, attention_modules
 from lipvit.spectral import spectral_norm
@@ -253,12 +253,20 @@ class EpochLog(NamedTuple):
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"``: CUDA when available, else CPU; ``"cuda"`` without CUDA: error."""
+    """``"auto"`` → cuda when available else cpu; otherwise ``torch.device(name)``.
+
+    Raises:
+        ValueError: an unparsable name, or cuda asked for where there is none.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but no CUDA device is available")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return device
 
 
 def head_sigmas(model: nn.Module) -> Tensor:
@@ -440,12 +448,6 @@ def summary_path(out: str | Path) -> Path:
     return Path(out).with_suffix(".json")
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 @contextlib.contextmanager
 def _deterministic(on: bool, device: torch.device) -> Iterator[None]:
     if not on:
@@ -466,14 +468,18 @@ def _deterministic(on: bool, device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _threads(
-    cfg: TrainConfig, model_cfg: ViTConfig, device: torch.device
-) -> Iterator[None]:
-    """Set the CPU thread count for the run (see :attr:`TrainConfig.threads`)."""
+def cpu_threads(model_cfg: ViTConfig, device: torch.device, threads: int = 0
+                ) -> Iterator[None]:
+    """Set the CPU thread count while working with a model of ``model_cfg``.
+
+    ``threads`` 0 chooses: one thread for models under a million parameters
+    (their matrices are too small to split, and spinning threads lose badly on
+    a shared machine), torch's default otherwise. No effect off the CPU.
+    """
     if device.type != "cpu":
         yield
         return
-    n = cfg.threads
+    n = threads
     if n == 0:
         with torch.device("meta"):
             params = sum(p.numel() for p in ViT(model_cfg).parameters())
@@ -633,7 +639,7 @@ def train(
 
     with (
         _deterministic(train_cfg.deterministic, device),
-        _threads(train_cfg, model_cfg, device),
+        cpu_threads(model_cfg, device, train_cfg.threads),
     ):
         return _train(
             model_cfg,
@@ -813,7 +819,7 @@ def _train(
             summary=summary,
             dataset=data,
         )
-        _write_json(json_path, summary)
+        write_json(json_path, summary, force=True)
     if world > 1:
         import torch.distributed as dist
 

@@ -16,16 +16,6 @@ from lipvit.data import load_dataset
 pytest.importorskip("torchattacks")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models run fastest on one thread; on a shared 2-core machine two
-    # threads contend and are an order of magnitude slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def trained():
     """A standard digits-tiny ViT trained 300 steps, and 64 test points."""

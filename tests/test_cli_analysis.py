@@ -20,15 +20,6 @@ from lipvit.data import load_dataset
 pytest.importorskip("torchattacks")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models are fastest on one thread on the shared CI machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A standard digits-tiny checkpoint, briefly trained (clean accuracy well above

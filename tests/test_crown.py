@@ -42,16 +42,6 @@ TINY = dict(image_size=8, patch_size=4, embed_dim=8, depth=2, num_heads=2,
             mlp_ratio=1.0, family="lipschitz")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # auto_LiRPA issues many small tensor ops: on a shared 2-core machine two
-    # threads contend and run an order of magnitude slower than one.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _perturbed(model: lipvit.ViT, seed: int, scale: float = 0.3) -> lipvit.ViT:
     """``model`` in float64 with every raw parameter shifted by noise (non-trivial)."""
     g = torch.Generator().manual_seed(seed)

@@ -10,15 +10,6 @@ import lipvit
 from analysis import features as Fe
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models and small sklearn fits are fastest on one thread here.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_distance_separable_sets_is_two(seed):
     rng = np.random.default_rng(seed)

@@ -19,14 +19,6 @@ from certify.specformer import specformer_bound, specformer_terms
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def layer(seed: int, B=2, N=4, D=6, H=2, d=3, qk=1.0, x=1.0):
     g = torch.Generator().manual_seed(seed)
     W_q = torch.randn(H, D, d, generator=g, dtype=DT) * qk / math.sqrt(D)

@@ -154,6 +154,10 @@ def test_first_order_deviation(models, data):
     np.testing.assert_allclose(
         dev.first_order[1], 0.05 * gain * np.exp(jac.sigma.sum(0)), rtol=1e-12
     )
+    np.testing.assert_allclose(
+        dev.product[0], 0.01 * gain * np.prod(1 + jac.sigma, axis=0), rtol=1e-12
+    )
+    assert np.all(dev.product <= dev.first_order)
     assert dev.certified.shape == dev.pgd.shape == (2, 3)
     assert np.all(dev.certified >= dev.pgd)  # certified is an upper bound
     assert np.all(dev.pgd > 0)
@@ -266,7 +270,9 @@ def test_command_files_agree_with_tables(ckpts, tmp_path):
         [line[0], float(line[1])] for line in dev
     ]
     for x, line in zip(d_rows, dev, strict=True):
-        assert float(line[3]) == pytest.approx(float(x["certified_mean"]), rel=1e-3)
+        assert float(line[2]) == pytest.approx(float(x["first_order_mean"]), rel=1e-3)
+        assert float(line[3]) == pytest.approx(float(x["product_mean"]), rel=1e-3)
+        assert float(line[4]) == pytest.approx(float(x["certified_mean"]), rel=1e-3)
         assert float(x["certified_mean"]) >= float(x["pgd_mean"])
 
 

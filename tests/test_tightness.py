@@ -156,8 +156,10 @@ def test_network_bounds_sound(model, images):
     assert np.all(r.pgd[1] >= r.pgd[0])
     trace = r.traces["lofast"]
     assert trace["steps"][0] == "input" and trace["steps"][-1] == "head"
+    assert trace["mean"].shape == (2, len(trace["steps"]))
     np.testing.assert_allclose(trace["mean"][:, 0], EPS)
-    np.testing.assert_allclose(trace["mean"][:, -1], r.bounds["lofast"].mean(axis=1))
+    last = trace["mean_cls"][:, -1] if "mean_cls" in trace else trace["mean"][:, -1]
+    np.testing.assert_allclose(last, r.bounds["lofast"].mean(axis=1))
 
 
 def test_rows_are_consistent(model, images):
@@ -323,3 +325,30 @@ def test_command_bad_checkpoint(tmp_path):
     assert_one_line_error(
         run("tightness", "--ckpt", tmp_path / "missing.pt", "--out", tmp_path / "o")
     )
+
+
+@pytest.mark.crown
+@pytest.mark.skipif(not T.crown_available(), reason="auto_LiRPA is not installed")
+def test_crown_bounds_sound(data):
+    torch.manual_seed(0)
+    cfg = lipvit.preset(
+        "digits-tiny",
+        family="lipschitz",
+        embed_dim=16,
+        depth=1,
+        num_heads=2,
+        mlp_ratio=1.0,
+        patch_size=4,
+    )
+    m = lipvit.ViT(cfg).double().eval()
+    x = data.x_test[:2].double()
+    for residual in (True, False):
+        r = T.layer_tightness(
+            m, x, 0, [0.01, 0.05], ["lofast", "crown"], residual=residual, pgd=PGD
+        )
+        assert set(r.bounds) == {"lofast", "crown"} and r.violations() == {
+            "lofast": 0,
+            "crown": 0,
+        }
+    r = T.network_tightness(m, x, [0.01], ["lofast", "crown"], pgd=PGD)
+    assert "crown" in r.bounds and r.violations()["crown"] == 0

@@ -12,14 +12,12 @@ as one line.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
 import math
 import os
-import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -32,9 +30,14 @@ from torch import Tensor
 
 from lipvit.errors import LipvitError
 
+# Re-exported: the commands call them as ``C.write_json`` etc.
+from lipvit.files import atomic_path as atomic_path
+from lipvit.files import check_writable as check_writable
+from lipvit.files import to_jsonable as to_jsonable
+from lipvit.files import write_json as write_json
+from lipvit.train import resolve_device as resolve_device
+
 SUBSAMPLE_SEED = 0
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 # ---------------------------------------------------------------- options
 
@@ -78,23 +81,6 @@ def data_options(fn: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------- loading
-
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → cuda when available else cpu; otherwise ``torch.device(name)``.
-
-    Raises:
-        ValueError: an unparsable name, or cuda asked for where there is none.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
-    return device
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):
@@ -242,70 +228,6 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 # ---------------------------------------------------------------- writing
-
-
-def check_writable(paths: Iterable[str | os.PathLike | None], force: bool) -> None:
-    """Refuse (``LipvitError``) if any of ``paths`` exists and ``force`` is off.
-
-    Call it before long computations, so nothing is computed in vain.
-    """
-    for path in paths:
-        if path is None:
-            continue
-        path = Path(path)
-        if path.is_dir():
-            raise LipvitError(f"{path} is a directory")
-        if path.exists() and not force:
-            raise LipvitError(f"{path} exists; pass --force to overwrite it")
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; move it onto ``path`` on success.
-
-    Readers never see a half-written file; on an exception nothing is left
-    behind. The parent directory is created.
-    """
-    path = Path(path)
-    check_writable([path], force)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix,
-                               dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the usual mode
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Plain JSON types: numpy scalars/arrays, tuples, paths; NaN/±inf → ``None``."""
-    if isinstance(obj, Mapping):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple | set | frozenset):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray | Tensor):
-        return to_jsonable(obj.tolist())
-    if isinstance(obj, bool | np.bool_):
-        return bool(obj)
-    if isinstance(obj, int | np.integer):
-        return int(obj)
-    if isinstance(obj, float | np.floating):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    return obj
-
-
-def write_json(path: str | os.PathLike, obj: Any, force: bool = False) -> Path:
-    """Write ``obj`` as indented JSON atomically; no replacing without ``force``."""
-    text = json.dumps(to_jsonable(obj), indent=2, allow_nan=False)
-    with atomic_path(path, force) as tmp:
-        tmp.write_text(text + "\n", encoding="utf-8")
-    return Path(path)
 
 
 def write_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]],

@@ -1,4 +1,4 @@
-"""``lipvit certify``: certified accuracy (and radii) of a checkpoint on test samples."""
+"""``lipvit certify``: certified accuracy (and radii) of a checkpoint on test images."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from tqdm import tqdm
 
 from certify.evaluate import ALL_METHODS, CertifyReport, certify_samples
 from lipvit.commands import _common as C
-
-RADII_SHOWN = (0.05, 0.1, 0.2, 0.5, 1.0)
+from lipvit.train import cpu_threads
 
 
 def _summary_rows(report: CertifyReport) -> list[dict]:
@@ -28,14 +27,14 @@ def _summary_rows(report: CertifyReport) -> list[dict]:
     ]
 
 
-def _radius_rows(report: CertifyReport) -> list[list]:
+def _radius_rows(report: CertifyReport, radii: list[float]) -> list[list]:
     rows = []
     for method, radius in report.radii.items():
         rows.append(
             [
                 method,
                 float(radius.median()),
-                *(float((radius >= r).float().mean()) for r in RADII_SHOWN),
+                *(float((radius >= r).float().mean()) for r in radii),
             ]
         )
     return rows
@@ -131,7 +130,10 @@ def certify(
         loaded, n=n, dataset=dataset, data_dir=data_dir, device=device
     )
     x = data.x.to(torch.float64)
-    with tqdm(total=len(data.y), desc="certify", unit="sample", leave=False) as bar:
+    with (
+        cpu_threads(loaded.config, x.device),
+        tqdm(total=len(data.y), desc="certify", unit="sample", leave=False) as bar,
+    ):
         report = certify_samples(
             model,
             x,
@@ -167,8 +169,8 @@ def certify(
         click.echo("\ncertified radius (lower end of the bisection bracket):")
         click.echo(
             C.format_table(
-                ["method", "median radius", *(f"acc@r>={r:g}" for r in RADII_SHOWN)],
-                _radius_rows(report),
+                ["method", "median radius", *(f"acc@r>={r:g}" for r in eps_list)],
+                _radius_rows(report, eps_list),
             )
         )
     if json_path:

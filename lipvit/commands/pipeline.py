@@ -9,9 +9,11 @@ whole network) and compares the spectra of vanilla and MSVP; then writes
 Every step *is* one ``lipvit`` command, run in this process through its click
 entry point (``Command.main(args, standalone_mode=False)``: no shell, no new
 interpreter), so the command the report prints for a step is exactly what ran
-(the pipeline only adds ``--resume``/``--force``). A step whose output files
-all exist is skipped (training: a finished checkpoint); ``--force`` redoes
-everything. Timings per step are kept in ``OUT/pipeline.json``.
+(the pipeline only adds ``--resume``/``--force``). Like make, a step whose
+output files all exist and are newer than its inputs (the checkpoints or
+results it reads) is skipped; training resumes an unfinished checkpoint and
+skips a finished one; ``--force`` redoes everything. Timings per step are kept
+in ``OUT/pipeline.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Settings:
     preset: str | None = None  # None: `lipvit train`'s per-family default preset
     msvp: float = 1e-3
     attacks: str = "pgd-l2,cw"
-    attack_eps: str = "0.1,0.2,0.3,0.5"
+    attack_eps: str = "0.02,0.05,0.1,0.2,0.3,0.5"
     attack_n: int = 100
     attack_steps: int = 20
     certify_eps: str = "0.02,0.05,0.1,0.2,0.3,0.5"
@@ -85,7 +87,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class Step:
-    """One ``lipvit`` command of the pipeline and the files it writes."""
+    """One ``lipvit`` command of the pipeline, the files it writes (``outputs``) and
+    the files it reads that earlier steps write (``inputs``)."""
 
     key: str
     title: str
@@ -93,6 +96,7 @@ class Step:
     args: tuple[str, ...]
     outputs: tuple[Path, ...]
     train: bool = False
+    inputs: tuple[Path, ...] = ()
 
     @property
     def prog(self) -> str:
@@ -105,10 +109,14 @@ class Step:
         return command_line([self.command.name, *self.args])
 
     def done(self) -> bool:
-        """All outputs exist (for training: a checkpoint with a final summary)."""
+        """All outputs exist and are newer than every input (like make); for
+        training: a checkpoint with a final summary."""
         if self.train:
             return _finished(self.outputs[0]) and self.outputs[1].exists()
-        return all(p.exists() for p in self.outputs)
+        if not all(p.exists() for p in self.outputs):
+            return False
+        oldest = min(p.stat().st_mtime_ns for p in self.outputs)
+        return all(p.exists() and p.stat().st_mtime_ns <= oldest for p in self.inputs)
 
 
 def _finished(path: Path) -> bool:
@@ -133,9 +141,6 @@ class Plan:
     def model(self, name: str) -> Path:
         return self.out / "models" / f"{name}.pt"
 
-    def step(self, key: str) -> Step | None:
-        return next((s for s in self.steps if s.key == key), None)
-
 
 def build_plan(
     out: Path,
@@ -145,8 +150,10 @@ def build_plan(
     data_dir: Path | None = None,
     device: str = "cpu",
     crown: bool = False,
+    threads: int = 0,
 ) -> Plan:
-    """All steps of a run in order (nothing is run)."""
+    """All steps of a run in order (nothing is run); ``threads`` > 0 is passed to
+    the commands that take ``--threads``."""
     from lipvit.commands.attack import attack
     from lipvit.commands.certify import certify
     from lipvit.commands.plot import plot
@@ -158,12 +165,14 @@ def build_plan(
 
     s = settings
     plan = Plan(out, s)
-    data = ["--dataset", dataset] + (["--data-dir", str(data_dir)] if data_dir else [])
-    dev = ["--device", device]
-    size = (["--preset", s.preset] if s.preset else []) + (
-        ["--epochs", str(s.epochs)] if s.epochs else []
+    add = plan.steps.append
+    data_dir_args = ("--data-dir", str(data_dir)) if data_dir else ()
+    dev = ("--device", device, *data_dir_args)  # every command after training
+    size = (("--preset", s.preset) if s.preset else ()) + (
+        ("--epochs", str(s.epochs)) if s.epochs else ()
     )
-    train_dev = dev if device in ("auto", "cpu", "cuda") else ["--device", "cuda"]
+    train_dev = device if device in ("auto", "cpu", "cuda") else "cuda"
+    thr = ("--threads", str(threads)) if threads else ()
     families = {
         "vanilla": ("standard", "0"),
         "msvp": ("standard", f"{s.msvp:g}"),
@@ -171,131 +180,147 @@ def build_plan(
     }
     for name, (family, lam) in families.items():
         ckpt = plan.model(name)
-        plan.steps.append(
+        args = (
+            "--family",
+            family,
+            "--msvp",
+            lam,
+            *size,
+            "--dataset",
+            dataset,
+            *data_dir_args,
+            "--device",
+            train_dev,
+            "--seed",
+            "0",
+            "--no-progress",
+            *thr,
+            "--out",
+            str(ckpt),
+        )
+        add(
             Step(
                 f"train/{name}",
                 f"train {name}",
                 train_command,
-                (
-                    "--family",
-                    family,
-                    "--msvp",
-                    lam,
-                    *size,
-                    *data,
-                    *train_dev,
-                    "--seed",
-                    "0",
-                    "--no-progress",
-                    "--out",
-                    str(ckpt),
-                ),
+                args,
                 (ckpt, ckpt.with_suffix(".json")),
                 train=True,
             )
         )
     for name in MODELS:
+        ckpt = plan.model(name)
         js, cs = out / "attack" / f"{name}.json", out / "attack" / f"{name}.csv"
-        plan.steps.append(
+        args = (
+            "--ckpt",
+            str(ckpt),
+            "--attack",
+            s.attacks,
+            "--norm",
+            "l2",
+            "--eps",
+            s.attack_eps,
+            "--steps",
+            str(s.attack_steps),
+            "--n",
+            str(s.attack_n),
+            *dev,
+            "--json",
+            str(js),
+            "--csv",
+            str(cs),
+        )
+        add(
             Step(
                 f"attack/{name}",
                 f"attack {name}",
                 attack,
-                (
-                    "--ckpt",
-                    str(plan.model(name)),
-                    "--attack",
-                    s.attacks,
-                    "--norm",
-                    "l2",
-                    "--eps",
-                    s.attack_eps,
-                    "--steps",
-                    str(s.attack_steps),
-                    "--n",
-                    str(s.attack_n),
-                    *dev,
-                    "--json",
-                    str(js),
-                    "--csv",
-                    str(cs),
-                ),
+                args,
                 (js, cs),
+                inputs=(ckpt,),
             )
         )
     for name in ("lipschitz", "msvp"):
+        ckpt = plan.model(name)
         js, cs = out / "certify" / f"{name}.json", out / "certify" / f"{name}.csv"
-        plan.steps.append(
+        args = (
+            "--ckpt",
+            str(ckpt),
+            "--eps",
+            s.certify_eps,
+            "--method",
+            s.certify_methods,
+            "--radius",
+            "--n",
+            str(s.certify_n),
+            *dev,
+            "--json",
+            str(js),
+            "--csv",
+            str(cs),
+        )
+        add(
             Step(
                 f"certify/{name}",
                 f"certify {name}",
                 certify,
-                (
-                    "--ckpt",
-                    str(plan.model(name)),
-                    "--eps",
-                    s.certify_eps,
-                    "--method",
-                    s.certify_methods,
-                    "--radius",
-                    "--n",
-                    str(s.certify_n),
-                    *dev,
-                    "--json",
-                    str(js),
-                    "--csv",
-                    str(cs),
-                ),
+                args,
                 (js, cs),
+                inputs=(ckpt,),
             )
         )
-        fig = out / "certify" / f"{name}.png"
-        plan.steps.append(
+        fig, attacked = out / "certify" / f"{name}.png", out / "attack" / f"{name}.json"
+        args = (
+            "certified",
+            str(js),
+            str(attacked),
+            "--out",
+            str(fig),
+            "--title",
+            f"{name}: certified (ℓ2) vs attacked accuracy",
+        )
+        add(
             Step(
                 f"plot/{name}",
                 f"plot certified accuracy of {name}",
                 plot,
-                (
-                    "certified",
-                    str(js),
-                    str(out / "attack" / f"{name}.json"),
-                    "--out",
-                    str(fig),
-                    "--title",
-                    f"{name}: certified (ℓ2) vs attacked accuracy",
-                ),
+                args,
                 (fig,),
+                inputs=(js, attacked),
             )
         )
+    lip = plan.model("lipschitz")
     if crown and s.crown_n > 0:
-        js, cs = (
-            out / "certify" / "lipschitz-crown.json",
-            out / "certify" / "lipschitz-crown.csv",
+        js = out / "certify" / "lipschitz-crown.json"
+        cs = out / "certify" / "lipschitz-crown.csv"
+        args = (
+            "--ckpt",
+            str(lip),
+            "--eps",
+            s.crown_eps,
+            "--method",
+            "lofast,crown,cascade",
+            "--n",
+            str(s.crown_n),
+            *dev,
+            "--json",
+            str(js),
+            "--csv",
+            str(cs),
         )
-        plan.steps.append(
+        add(
             Step(
                 "certify/lipschitz-crown",
                 "certify lipschitz with CROWN and the cascade",
                 certify,
-                (
-                    "--ckpt",
-                    str(plan.model("lipschitz")),
-                    "--eps",
-                    s.crown_eps,
-                    "--method",
-                    "lofast,crown,cascade",
-                    "--n",
-                    str(s.crown_n),
-                    *dev,
-                    "--json",
-                    str(js),
-                    "--csv",
-                    str(cs),
-                ),
+                args,
                 (js, cs),
+                inputs=(lip,),
             )
         )
-    lip = str(plan.model("lipschitz"))
+    network_methods = (
+        ("--methods", "lofast,lofast-fast,specformer,crown") if crown else ()
+    )
     for key, extra, eps, (steps, restarts) in (
         ("layer", ("--layer", "0"), s.tightness_eps, s.tightness_pgd),
         (
@@ -304,67 +329,68 @@ def build_plan(
             s.tightness_eps,
             s.tightness_pgd,
         ),
-        (
-            "network",
-            ("--network",)
-            + (("--methods", "lofast,lofast-fast,specformer,crown") if crown else ()),
-            s.network_eps,
-            s.network_pgd,
-        ),
+        ("network", ("--network", *network_methods), s.network_eps, s.network_pgd),
     ):
         d = out / "tightness" / key
-        plan.steps.append(
+        args = (
+            "--ckpt",
+            str(lip),
+            *extra,
+            "--eps",
+            eps,
+            "--n",
+            str(s.tightness_n),
+            "--pgd-steps",
+            str(steps),
+            "--pgd-restarts",
+            str(restarts),
+            *dev,
+            *thr,
+            "--out",
+            str(d),
+        )
+        add(
             Step(
                 f"tightness/{key}",
                 f"tightness ({key}) of lipschitz",
                 tightness,
-                (
-                    "--ckpt",
-                    lip,
-                    *extra,
-                    "--eps",
-                    eps,
-                    "--n",
-                    str(s.tightness_n),
-                    "--pgd-steps",
-                    str(steps),
-                    "--pgd-restarts",
-                    str(restarts),
-                    *dev,
-                    "--out",
-                    str(d),
-                ),
+                args,
                 tuple(tightness_paths(d)),
+                inputs=(lip,),
             )
         )
     d = out / "spectrum"
-    plan.steps.append(
+    vanilla, msvp = plan.model("vanilla"), plan.model("msvp")
+    args = (
+        "--ckpt",
+        str(vanilla),
+        "--ckpt",
+        str(msvp),
+        "--label",
+        "vanilla",
+        "--label",
+        "msvp",
+        "--n",
+        str(s.spectrum_n),
+        "--eps",
+        s.spectrum_eps,
+        "--pgd-steps",
+        str(s.spectrum_pgd[0]),
+        "--pgd-restarts",
+        str(s.spectrum_pgd[1]),
+        *dev,
+        *thr,
+        "--out",
+        str(d),
+    )
+    add(
         Step(
             "spectrum",
             "spectra of vanilla and msvp",
             spectrum,
-            (
-                "--ckpt",
-                str(plan.model("vanilla")),
-                "--ckpt",
-                str(plan.model("msvp")),
-                "--label",
-                "vanilla",
-                "--label",
-                "msvp",
-                "--n",
-                str(s.spectrum_n),
-                "--eps",
-                s.spectrum_eps,
-                "--pgd-steps",
-                str(s.spectrum_pgd[0]),
-                "--pgd-restarts",
-                str(s.spectrum_pgd[1]),
-                *dev,
-                "--out",
-                str(d),
-            ),
+            args,
             tuple(spectrum_paths(d)),
+            inputs=(vanilla, msvp),
         )
     )
     return plan
@@ -528,7 +554,13 @@ def pipeline(
     if crown is None:
         crown = available and resolved.type == "cuda"
     plan = build_plan(
-        out, settings, dataset=dataset, data_dir=data_dir, device=device, crown=crown
+        out,
+        settings,
+        dataset=dataset,
+        data_dir=data_dir,
+        device=device,
+        crown=crown,
+        threads=threads,
     )
     out.mkdir(parents=True, exist_ok=True)
     click.echo(

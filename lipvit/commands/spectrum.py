@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from lipvit.commands import _common as C
+from lipvit.commands.tightness import cpu_threads, threads_option
 
 FILES = (
     "spectra.png",
@@ -85,6 +86,7 @@ def deviation_rows(label: str, dev) -> list[dict]:
             "checkpoint": label,
             "eps": float(e),
             "first_order_mean": float(dev.first_order[i].mean()),
+            "product_mean": float(dev.product[i].mean()),
             "certified_mean": float(dev.certified[i].mean()),
             "pgd_mean": float(dev.pgd[i].mean()),
             "first_order_over_pgd": float(
@@ -122,7 +124,7 @@ def write_outputs(
         violins[f"{label}: {kind}"] = {
             f"block {k}": s.jacobian.sigma[k] for k in range(s.jacobian.sigma.shape[0])
         }
-        violins[f"{label}: √(‖J‖₁‖J‖∞)"] = {
+        violins[f"{label}: √(‖J‖₁‖J‖∞), upper bound"] = {
             f"block {k}": s.jacobian.l1_linf[k]
             for k in range(s.jacobian.l1_linf.shape[0])
         }
@@ -157,6 +159,7 @@ def write_outputs(
             "checkpoint",
             "eps",
             "first_order_mean",
+            "product_mean",
             "certified_mean",
             "pgd_mean",
             "first_order_over_pgd",
@@ -205,6 +208,7 @@ def write_outputs(
                     "gain": s.deviation.gain,
                     "method": s.deviation.method,
                     "first_order": s.deviation.first_order,
+                    "product": s.deviation.product,
                     "certified": s.deviation.certified,
                     "pgd": s.deviation.pgd,
                 }
@@ -212,7 +216,8 @@ def write_outputs(
             },
             "deviation_note": "at the last block's output (before the final norm): "
             "first_order = eps * gain * exp(sum_k sigma_k) (Cauchy eq. 15, "
-            "an estimate), certified = network_bound budget (upper bound), "
+            "an estimate), product = eps * gain * prod_k (1 + sigma_k) (its discrete "
+            "form, an estimate), certified = network_bound budget (upper bound), "
             "pgd = PGD deviation (lower bound)",
             "deviation_summary": d_rows,
             "comparison": {"reference": labels[0], "rows": comparison},
@@ -273,6 +278,7 @@ def write_outputs(
     "--pgd-restarts", type=click.IntRange(min=1), default=2, show_default=True
 )
 @C.device_option
+@threads_option
 @C.data_options
 @C.pdf_option
 @C.force_option
@@ -287,6 +293,7 @@ def spectrum(
     pgd_steps: int,
     pgd_restarts: int,
     device: str,
+    threads: int,
     dataset: str | None,
     data_dir: Path | None,
     pdf: bool,
@@ -318,16 +325,19 @@ def spectrum(
                 )
             data = d
             model = ck.model.double()
-            results[label] = compute(
-                model,
-                d.x.to(torch.float64),
-                eps,
-                jacobian=jacobian_mode,
-                method=method,
-                pgd_steps=pgd_steps,
-                pgd_restarts=pgd_restarts,
-                progress=lambda s, label=label: bar.set_postfix_str(f"{label}: {s}"),
-            )
+            with cpu_threads(model, device, threads):
+                results[label] = compute(
+                    model,
+                    d.x.to(torch.float64),
+                    eps,
+                    jacobian=jacobian_mode,
+                    method=method,
+                    pgd_steps=pgd_steps,
+                    pgd_restarts=pgd_restarts,
+                    progress=lambda s, label=label: bar.set_postfix_str(
+                        f"{label}: {s}"
+                    ),
+                )
             bar.update(1)
     paths = write_outputs(
         results,
@@ -411,6 +421,7 @@ def spectrum(
                     "checkpoint",
                     "eps",
                     "eps*exp(sum sigma)",
+                    "eps*prod(1+sigma)",
                     f"certified ({method})",
                     "PGD (lower bound)",
                 ],
@@ -419,6 +430,7 @@ def spectrum(
                         r["checkpoint"],
                         r["eps"],
                         r["first_order_mean"],
+                        r["product_mean"],
                         r["certified_mean"],
                         r["pgd_mean"],
                     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -29,6 +31,32 @@ CSV_COLUMNS = (
     "exact",
     "violations",
 )
+
+
+threads_option = click.option(
+    "--threads",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="CPU threads; 0: one for models under a million parameters (tiny models "
+    "run fastest on one thread, far faster on a shared machine), else torch's default",
+)
+
+
+@contextlib.contextmanager
+def cpu_threads(model: torch.nn.Module, device: str, threads: int) -> Iterator[None]:
+    """Run with ``threads`` CPU threads (0: one for small models on the CPU), as
+    ``lipvit train --threads`` does; the previous count is restored."""
+    before = torch.get_num_threads()
+    n = threads
+    if n == 0:
+        small = sum(p.numel() for p in model.parameters()) < 1_000_000
+        n = 1 if small and C.resolve_device(device).type == "cpu" else before
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def output_paths(out: Path, pdf: bool = False) -> list[Path]:
@@ -144,7 +172,7 @@ def write_outputs(
     "--n",
     "n",
     type=click.IntRange(min=1),
-    default=20,
+    default=10,
     show_default=True,
     help="test samples (a fixed seeded subsample)",
 )
@@ -160,6 +188,7 @@ def write_outputs(
     help="output directory (tightness.png, tightness.csv, tightness.json)",
 )
 @C.device_option
+@threads_option
 @C.data_options
 @C.pdf_option
 @C.force_option
@@ -176,6 +205,7 @@ def tightness(
     seed: int,
     out: Path,
     device: str,
+    threads: int,
     dataset: str | None,
     data_dir: Path | None,
     pdf: bool,
@@ -218,10 +248,11 @@ def tightness(
         raise ValueError(
             f"--layer must be a block index in 0..{len(model.blocks) - 1}, got {layer}"
         )
-    with tqdm(desc="tightness", leave=False, bar_format="{desc}: {postfix}") as bar:
+    bar = tqdm(desc="starting", leave=False, bar_format="tightness: {desc} ({elapsed})")
+    with bar, cpu_threads(model, device, threads):
 
         def progress(stage: str) -> None:
-            bar.set_postfix_str(stage)
+            bar.set_description_str(stage)
 
         if network:
             result = network_tightness(
