@@ -252,7 +252,7 @@ def plot_spectra(
             ax.bar(pos + (k - (len(labels) - 1) / 2) * width, a.ravel(), width=width,
                    color=colors[k], label=label)
         ax.set_xticks(np.arange(L) * (H + 1) + (H - 1) / 2)
-        ax.set_xticklabels([f"block {i + 1}" for i in range(L)])
+        ax.set_xticklabels([f"block {i}" for i in range(L)])
         use_log = spans_decades(*arrays.values()) if log is None else log
         if use_log:
             ax.set_yscale("log")

@@ -1,6 +1,6 @@
 """``lipvit pipeline``: the whole study on one dataset, ending in ``report.md``.
 
-Trains a vanilla standard ViT (``--msvp 0``), an MSVP standard ViT and a
+Trains a vanilla standard ViT (``--msvp 0``), an MSVP standard ViT and an MSVP
 lipschitz-family ViT; attacks all three; certifies the lipschitz and MSVP
 models; measures the tightness of the bounds (one attention layer and the
 whole network) and compares the spectra of vanilla and MSVP; then writes
@@ -45,13 +45,13 @@ class Settings:
     preset: str | None = None  # None: `lipvit train`'s per-family default preset
     msvp: float = 1e-3
     attacks: str = "pgd-l2,cw"
-    attack_eps: str = "0.02,0.05,0.1,0.2,0.3,0.5"
+    attack_eps: str = "0.005,0.01,0.02,0.05,0.1,0.2,0.5"
     attack_n: int = 100
     attack_steps: int = 20
-    certify_eps: str = "0.02,0.05,0.1,0.2,0.3,0.5"
+    certify_eps: str = "0.002,0.005,0.01,0.02,0.05"
     certify_n: int = 100
     certify_methods: str = "lofast,lofast-fast,specformer"
-    crown_eps: str = "0.05"
+    crown_eps: str = "0.01"
     crown_n: int = 5
     tightness_eps: str = "0.01,0.02,0.03,0.05,0.07,0.1"
     tightness_n: int = 10
@@ -176,7 +176,7 @@ def build_plan(
     families = {
         "vanilla": ("standard", "0"),
         "msvp": ("standard", f"{s.msvp:g}"),
-        "lipschitz": ("lipschitz", "0"),
+        "lipschitz": ("lipschitz", f"{s.msvp:g}"),
     }
     for name, (family, lam) in families.items():
         ckpt = plan.model(name)
