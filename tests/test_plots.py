@@ -87,8 +87,8 @@ def test_spectra_bars_per_head_and_checkpoint():
     assert ax_q.get_ylabel() == "σ_max($W_{q}$)"  # mathtext
     assert ax_vo.get_ylabel() == "σ_max($W_{v} W_{o}$)"
     assert _legend(ax_q) == ["vanilla", "MSVP"]
-    assert [t.get_text() for t in ax_q.get_xticklabels()] == ["block 1", "block 2",
-                                                              "block 3"]
+    assert [t.get_text() for t in ax_q.get_xticklabels()] == ["block 0", "block 1",
+                                                              "block 2"]
     with pytest.raises(ValueError, match="different shapes"):
         P.plot_spectra({"a": {"W_q": np.ones((2, 2))}, "b": {"W_q": np.ones((3, 2))}})
 
