@@ -24,14 +24,6 @@ from lipvit.train import train, train_config_for
 SMALL = dict(embed_dim=16, depth=2, num_heads=2, mlp_ratio=1.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def data():
     return load_dataset("digits")

@@ -10,7 +10,8 @@ import torch
 from tqdm import tqdm
 
 from lipvit.commands import _common as C
-from lipvit.commands.tightness import cpu_threads, threads_option
+from lipvit.commands.tightness import threads_option
+from lipvit.train import cpu_threads
 
 FILES = (
     "spectra.png",
@@ -325,7 +326,7 @@ def spectrum(
                 )
             data = d
             model = ck.model.double()
-            with cpu_threads(model, device, threads):
+            with cpu_threads(model.config, C.resolve_device(device), threads):
                 results[label] = compute(
                     model,
                     d.x.to(torch.float64),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -11,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from lipvit.commands import _common as C
+from lipvit.train import cpu_threads
 
 FILES = ("tightness.png", "tightness.csv", "tightness.json")
 DEFAULT_EPS = ",".join(f"{k / 100:g}" for k in range(1, 11))  # 0.01, 0.02, ..., 0.1
@@ -41,22 +40,6 @@ threads_option = click.option(
     help="CPU threads; 0: one for models under a million parameters (tiny models "
     "run fastest on one thread, far faster on a shared machine), else torch's default",
 )
-
-
-@contextlib.contextmanager
-def cpu_threads(model: torch.nn.Module, device: str, threads: int) -> Iterator[None]:
-    """Run with ``threads`` CPU threads (0: one for small models on the CPU), as
-    ``lipvit train --threads`` does; the previous count is restored."""
-    before = torch.get_num_threads()
-    n = threads
-    if n == 0:
-        small = sum(p.numel() for p in model.parameters()) < 1_000_000
-        n = 1 if small and C.resolve_device(device).type == "cpu" else before
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def output_paths(out: Path, pdf: bool = False) -> list[Path]:
@@ -249,7 +232,7 @@ def tightness(
             f"--layer must be a block index in 0..{len(model.blocks) - 1}, got {layer}"
         )
     bar = tqdm(desc="starting", leave=False, bar_format="tightness: {desc} ({elapsed})")
-    with bar, cpu_threads(model, device, threads):
+    with bar, cpu_threads(model.config, C.resolve_device(device), threads):
 
         def progress(stage: str) -> None:
             bar.set_description_str(stage)
