@@ -48,7 +48,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from certify.attention import attention_probs, value_output
+from certify.attention import value_output
 from certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_is_identity,
@@ -56,7 +56,7 @@ from certify.local import (
     layernorm_local_lipschitz,
     linear_norm,
 )
-from certify.lofast import lofast_terms
+from certify.lofast import eps_per_sample, lofast_terms
 from certify.specformer import specformer_terms
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import LayerProject
@@ -110,7 +110,8 @@ class NetworkBound:
         """Budgets through the chain, ``(B, len(steps) + 1, 2)``: ``[..., 0]`` the
         whole token matrix (the image before the embedding), ``[..., 1]`` the
         class token (the logits after the head); the first row is ``(ε, 0)``."""
-        eps_k = _as_budget(eps, self.logits)
+        L = self.logits
+        eps_k = eps_per_sample(eps, L.shape[0], L.dtype, L.device)
         budget = Budget(eps_k, torch.zeros_like(eps_k))
         out = [torch.stack(budget, dim=-1)]
         for step in self.steps:
@@ -124,13 +125,6 @@ class NetworkBound:
         Returns a ``(B,)`` tensor.
         """
         return self.trace(eps)[:, -1, 1]
-
-
-def _as_budget(eps: float | Tensor, like: Tensor) -> Tensor:
-    eps_t = torch.as_tensor(eps, dtype=like.dtype, device=like.device)
-    if eps_t.isnan().any() or (eps_t < 0).any() or eps_t.isinf().any():
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    return eps_t.expand(like.shape[0]).clone() if eps_t.ndim == 0 else eps_t
 
 
 def class_row_sensitivity(P: Tensor, W_vo: Tensor) -> Tensor:
@@ -180,12 +174,9 @@ def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionB
         return AttentionBound(whole, whole)
     terms = lofast_terms(X, *W, residual=residual, exact=method == "lofast",
                          n_iter=POWER_ITERATIONS, tol=POWER_TOL)
-    Xw = X.to(torch.float64)
-    Ww = [w.to(torch.float64) for w in W]
-    zeta_cls = class_row_sensitivity(
-        attention_probs(Xw, *Ww[:2]), value_output(*Ww[2:])
-    )
-    zeta_cls = zeta_cls.to(X.dtype)
+    P = torch.softmax(terms.logits.to(torch.float64), dim=-1)  # (B, H, N, N)
+    W_vo = value_output(*(w.to(torch.float64) for w in W[2:]))  # (H, D, D)
+    zeta_cls = class_row_sensitivity(P, W_vo).to(X.dtype)
 
     def whole(eps: Tensor) -> Tensor:
         return terms.delta(eps, LOFAST_VARIANT)
