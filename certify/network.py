@@ -170,7 +170,7 @@ def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionB
         )
     W = attn.head_weights()
     if method == "specformer":
-        whole = specformer_terms(X, *W, residual=residual).delta
+        whole = specformer_terms(X, *W, residual=residual, variant="sound").delta
         return AttentionBound(whole, whole)
     terms = lofast_terms(X, *W, residual=residual, exact=method == "lofast",
                          n_iter=POWER_ITERATIONS, tol=POWER_TOL)

@@ -2,7 +2,9 @@
 
 Finding asserted here: eq. (9) is *not* an upper bound when
 ``(N+1)(‖X0‖_F + δ0)² < 1`` (e.g. ``X0 = 0``); the repaired variant is, and
-eq. (9) holds whenever ``(N+1)(‖X0‖_F + δ0)² ≥ 1``.
+eq. (9) holds whenever ``(N+1)(‖X0‖_F + δ0)² ≥ 1``. The default ``"sound"``
+variant (eq. 9 where it holds, repaired elsewhere) is what the network bound
+uses; a whole network with near-zero attention inputs checks it end to end.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import pytest
 import torch
 
 from analysis.pgd import pgd_deviation
+import lipvit
 from certify.attention import attention
+from certify.network import network_bound
 from certify.specformer import specformer_bound, specformer_terms
 
 DT = torch.float64
@@ -42,10 +46,11 @@ def test_formula(residual: bool) -> None:
     lip = sum(_norm(W_o[h]) * N * (N + 1) * (1.7 + eps) ** 2
               * (_norm(W_v[h]) * _norm(W_q[h]) * _norm(W_k[h]) + _norm(W_v[h]))
               for h in range(2)) + float(residual)
-    out = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual)
+    out = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual,
+                           variant="paper")
     assert out.shape == (3,)
     assert torch.allclose(out, (lip * eps).expand(3), rtol=1e-12)
-    rep = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual, repaired=True)
+    rep = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual, variant="repaired")
     qk = [_norm(W_q[h] @ W_k[h].T) / math.sqrt(3) for h in range(2)]  # d = 3
     lip_rep = sum(_norm(W_o[h]) * N * _norm(W_v[h])
                   * ((N + 1) * (1.7 + eps) ** 2 * qk[h] + 1)
@@ -74,8 +79,11 @@ def test_sound_when_input_norm_at_least_one(seed: int) -> None:
 
             for eps in (0.01, 0.3):
                 pgd = pgd_deviation(fn, X, eps, steps=60, restarts=2, seed=seed)
-                paper = specformer_bound(X, *W, eps, residual=residual)
-                rep = specformer_bound(X, *W, eps, residual=residual, repaired=True)
+                paper = specformer_bound(X, *W, eps, residual=residual,
+                                         variant="paper")
+                sound = specformer_bound(X, *W, eps, residual=residual)
+                assert torch.equal(sound, paper)  # eq. (9) holds: it is used
+                rep = specformer_bound(X, *W, eps, residual=residual, variant="repaired")
                 assert torch.all(pgd <= rep) and torch.all(rep <= paper)
 
 
@@ -87,8 +95,8 @@ def test_eq9_fails_for_small_inputs(residual: bool) -> None:
     X = torch.zeros(2, 4, 6, dtype=DT)
     X[1, 0, 0] = 0.02  # a tiny non-zero input as well
     eps = 0.01
-    terms = specformer_terms(X, *W, residual=residual)
-    assert torch.all((X.shape[1] + 1) * (terms.x_norm + eps) ** 2 < 1)
+    terms = specformer_terms(X, *W, residual=residual, variant="paper")
+    assert not torch.any(terms.paper_holds(eps))
     paper = terms.delta(eps)
     pgd = pgd_deviation(lambda Z: attention(Z, *W, residual=residual), X, eps,
                         steps=100, restarts=4)
@@ -96,8 +104,10 @@ def test_eq9_fails_for_small_inputs(residual: bool) -> None:
     # The exact Jacobian norm at X0 already exceeds eq. (9)'s Lipschitz constant.
     assert torch.all(_jacobian_norm(X, W, residual) > terms.lipschitz(eps))
     # The repaired bound holds there.
-    rep = specformer_bound(X, *W, eps, residual=residual, repaired=True)
+    rep = specformer_bound(X, *W, eps, residual=residual, variant="repaired")
     assert torch.all(pgd <= rep)
+    # So does the default, which falls back to it where eq. (9) fails.
+    assert torch.equal(specformer_bound(X, *W, eps, residual=residual), rep)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -110,11 +120,43 @@ def test_repaired_lipschitz_bounds_jacobian_everywhere_in_ball(seed: int) -> Non
         X0, *W = layer(seed + 10, B=1, N=3, D=4, H=2, d=2, qk=qk, x=max(x, 1e-300))
         if x == 0.0:
             X0 = torch.zeros_like(X0)
-        rep = specformer_terms(X0, *W, residual=True, repaired=True).lipschitz(eps)
+        rep = specformer_terms(X0, *W, residual=True, variant="repaired").lipschitz(eps)
         G = torch.randn(6, *X0.shape[1:], generator=g, dtype=DT)
         r = eps * torch.rand(6, 1, 1, generator=g, dtype=DT)
         pts = X0 + G * (r / torch.linalg.matrix_norm(G)[:, None, None])  # in the ball
         assert torch.all(_jacobian_norm(pts, W, True) <= rep)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_network_bound_sound_for_near_zero_attention_inputs(seed: int) -> None:
+    # Regression: the network's `specformer` bound used eq. (9) as printed and
+    # was broken by PGD on a lipschitz ViT whose attention inputs are ≈ 0.
+    model = lipvit.ViT(lipvit.preset("digits-tiny", family="lipschitz"))
+    model = model.double().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.std.mul_(1e3)  # tokens of norm ≈ 1e-3
+        model.cls_token.mul_(1e-4)
+        model.pos_embed.mul_(1e-4)
+        for p in model.parameters():  # a different model per seed
+            p.add_(1e-3 * torch.randn(p.shape, generator=g, dtype=DT) * p.abs().mean())
+    x = torch.rand(4, 1, 8, 8, generator=g, dtype=DT)  # digits-sized images
+    X = model.embed(x)
+    block = model.blocks[0]
+    terms = specformer_terms(block.norm1(X), *block.attn.head_weights(), residual=False)
+    assert not torch.any(terms.paper_holds(0.01))  # the regime where eq. (9) fails
+    bound = network_bound(model, x, "specformer")
+    assert bound.exact
+    for eps in (0.01, 0.1):
+        lower = pgd_deviation(model, x, eps, steps=60, restarts=3, seed=seed)
+        assert torch.all(lower > 0)
+        assert torch.all(lower <= bound.delta_out(eps)), (eps, lower)
+
+
+def test_unknown_variant() -> None:
+    X, *W = layer(0)
+    with pytest.raises(ValueError, match="unknown SpecFormer variant"):
+        specformer_terms(X, *W, variant="magic")
 
 
 @pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), "x"])
