@@ -92,7 +92,7 @@ class SpecFormerTerms:
         return eps_per_sample(eps, x.shape[0], x.dtype, x.device)  # (B,)
 
     def paper_holds(self, eps: float | Tensor) -> Tensor:
-        """Whether eq. (9) is an upper bound here: ``(N+1)(‖X0‖_F + δ0)² ≥ 1``, ``(B,)``."""
+        """Whether eq. (9) is an upper bound: ``(N+1)(‖X0‖_F + δ0)² ≥ 1``, ``(B,)``."""
         e = self._eps(eps)
         return (self.N + 1) * (self.x_norm + e) ** 2 >= 1
 

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from analysis.pgd import pgd_deviation
 import lipvit
+from analysis.pgd import pgd_deviation
 from certify.attention import attention
 from certify.network import network_bound
 from certify.specformer import specformer_bound, specformer_terms
@@ -50,7 +50,8 @@ def test_formula(residual: bool) -> None:
                            variant="paper")
     assert out.shape == (3,)
     assert torch.allclose(out, (lip * eps).expand(3), rtol=1e-12)
-    rep = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual, variant="repaired")
+    rep = specformer_bound(X, W_q, W_k, W_v, W_o, eps, residual=residual,
+                           variant="repaired")
     qk = [_norm(W_q[h] @ W_k[h].T) / math.sqrt(3) for h in range(2)]  # d = 3
     lip_rep = sum(_norm(W_o[h]) * N * _norm(W_v[h])
                   * ((N + 1) * (1.7 + eps) ** 2 * qk[h] + 1)
@@ -83,7 +84,8 @@ def test_sound_when_input_norm_at_least_one(seed: int) -> None:
                                          variant="paper")
                 sound = specformer_bound(X, *W, eps, residual=residual)
                 assert torch.equal(sound, paper)  # eq. (9) holds: it is used
-                rep = specformer_bound(X, *W, eps, residual=residual, variant="repaired")
+                rep = specformer_bound(X, *W, eps, residual=residual,
+                                       variant="repaired")
                 assert torch.all(pgd <= rep) and torch.all(rep <= paper)
 
 
