@@ -41,6 +41,11 @@ def check_writable(paths: Iterable[str | os.PathLike | None], force: bool) -> No
             raise LipvitError(f"{path} is a directory")
         if path.exists() and not force:
             raise LipvitError(f"{path} exists; pass --force to overwrite it")
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise LipvitError(f"cannot write {path}: {parent} is not a directory")
+        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+            raise LipvitError(f"cannot write {path}: {parent} is not writable")
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""``lipvit attack``: robust accuracy under torchattacks attacks (empirical ceiling)."""
+"""``lipvit attack``: robust accuracy under torchattacks attacks (empirical ceiling);
+with ``--radius``, each sample's smallest adversarial ℓ2 radius by bisection."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ from pathlib import Path
 
 import click
 
+from analysis.attack_radius import (
+    RADIUS_ATTACKS,
+    RadiusResult,
+    RadiusSettings,
+    attack_radius,
+    summary,
+)
 from analysis.attacks import (
     ATTACK_PRESETS,
     ATTACKS,
@@ -17,6 +25,12 @@ from analysis.attacks import (
 from lipvit.commands import _common as C
 
 WORST = "worst-case"
+RADIUS_QUANTITIES = {
+    "radius": "upper bound of the smallest adversarial l2 radius: the verified "
+              "distance of an adversarial point (0: misclassified; null: none found)",
+    "bracket_low": "largest eps at which every attack failed (not a bound)",
+    "first_order_limit": "estimate, not a bound: min_j margin_j / ||grad_x margin_j||",
+}
 
 
 def _rows(result: AttackResult, n: int) -> list[dict]:
@@ -46,6 +60,60 @@ def _samples(results: list[AttackResult], index) -> list[dict]:
     return samples
 
 
+def _radius_samples(result: RadiusResult, index) -> list[dict]:
+    return [{"index": int(index[i]), "label": int(result.labels[i]),
+             "prediction": int(result.predictions[i]),
+             "radius": float(result.radius[i]), "attack": result.attack[i],
+             "verified": bool(result.verified[i]),
+             "bracket_low": float(result.bracket_low[i]),
+             "first_order_limit": float(result.first_order[i]),
+             "probes": int(result.probes[i])} for i in range(result.n)]
+
+
+def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int | None,
+                 device: str, dataset: str | None, data_dir: Path | None,
+                 json_path: Path | None, csv_path: Path | None, force: bool) -> None:
+    from tqdm.auto import tqdm
+
+    ck = C.load_checkpoint(ckpt, device)
+    model = ck.model.double()  # the model `lipvit certify` certifies
+    data = C.load_test_set(ck, n=n, dataset=dataset, data_dir=data_dir, device=device)
+    with tqdm(total=int(data.y.shape[0]), desc="attack radius", unit="sample",
+              leave=False, disable=not sys.stderr.isatty()) as bar:
+        def progress(done: int, step: int) -> None:
+            bar.n = done
+            bar.set_postfix(bisection_step=step)
+            bar.refresh()
+
+        result = attack_radius(model, data.x.double(), data.y, settings, progress)
+    info = summary(result)
+    click.echo(f"{ckpt}: {data.dataset}, n={result.n}, clean accuracy "
+               f"{info['clean_accuracy']:.4f}, smallest adversarial l2 radius, "
+               f"worst case over {', '.join(names)}")
+    click.echo(C.format_table(
+        ["samples with a radius", "median attack radius (upper bound)",
+         "median first-order limit (estimate)", "s/sample"],
+        [[info["n_radius"], info["median_radius"], info["median_first_order"],
+          info["seconds_per_sample"]]]))
+    click.echo("closest point found by: " + ", ".join(
+        f"{a} {k}" for a, k in info["closest_by_attack"].items()))
+    if info["n_not_found"]:
+        click.echo(f"warning: no adversarial point found for {info['n_not_found']} "
+                   f"samples up to radius {result.settings['max_radius']:.4g}",
+                   err=True)
+    if not info["all_verified"]:  # a bug: every kept point is re-checked
+        raise AssertionError("an adversarial point failed its re-check")
+    samples = _radius_samples(result, data.index)
+    if json_path:
+        C.write_json(json_path, {
+            "checkpoint": str(ckpt), "dataset": data.dataset, "n": result.n,
+            "norm": "l2", "attacks": names, "clean_accuracy": info["clean_accuracy"],
+            "settings": result.settings, "quantities": RADIUS_QUANTITIES,
+            "summary": info, "samples": samples}, force=force)
+    if csv_path:
+        C.write_csv(csv_path, samples, force=force)
+
+
 @click.command("attack")
 @C.ckpt_option()
 @click.option("--attack", "attack_names", default=None,
@@ -64,6 +132,13 @@ def _samples(results: list[AttackResult], index) -> list[dict]:
 @click.option("--restarts", type=click.IntRange(min=1), default=None,
               help="random restarts of pgd, pgd-l2, cw-pgd (default 1)")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--radius", is_flag=True,
+              help="instead: each sample's smallest adversarial l2 radius (bisection "
+                   f"on eps, worst case over {', '.join(RADIUS_ATTACKS)} by default)")
+@click.option("--radius-tol", "radius_tol_text", default=None,
+              help="--radius: relative bisection tolerance  [default: 0.01]")
+@click.option("--max-radius", "max_radius_text", default=None,
+              help="--radius: largest radius searched  [default: the box diagonal]")
 @C.n_option
 @C.batch_size_option
 @C.device_option
@@ -73,7 +148,8 @@ def _samples(results: list[AttackResult], index) -> list[dict]:
 @C.force_option
 def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
            norm: str | None, preset: str | None, steps: int | None,
-           alpha_text: str | None, restarts: int | None, seed: int, n: int | None,
+           alpha_text: str | None, restarts: int | None, seed: int, radius: bool,
+           radius_tol_text: str | None, max_radius_text: str | None, n: int | None,
            batch_size: int, device: str, dataset: str | None, data_dir: Path | None,
            json_path: Path | None, csv_path: Path | None, force: bool) -> None:
     """Robust accuracy per attack and the per-sample worst case over attacks.
@@ -81,8 +157,33 @@ def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
     An attack finds adversarial points but proves nothing: these accuracies are
     upper bounds of the true robust accuracy (certified accuracy is a lower
     bound). Images are in [0, 1]; eps is in those units.
+
+    With --radius: per sample, the verified distance of the closest adversarial
+    point found by bisection on eps (an upper bound of the true robust radius),
+    and the first-order limit min_j margin_j/||grad margin_j|| (an estimate).
     """
     C.check_writable([json_path, csv_path], force)
+    if radius:
+        given = {"--eps": eps_text, "--preset": preset, "--alpha": alpha_text,
+                 "--norm linf": norm == "linf"}
+        clash = [k for k, v in given.items() if v]
+        if clash:
+            raise ValueError(f"--radius searches eps itself (l2): drop {clash[0]}")
+        names = (C.parse_names(attack_names, RADIUS_ATTACKS, "attack")
+                 if attack_names else list(RADIUS_ATTACKS))
+        tuning = {"steps": steps, "restarts": restarts}
+        tuning = {k: v for k, v in tuning.items() if v is not None}
+        if radius_tol_text:
+            tuning["rtol"] = C.parse_floats(radius_tol_text, "radius tolerance")[0]
+        if max_radius_text:
+            tuning["max_radius"] = C.parse_floats(max_radius_text, "max radius")[0]
+        settings = RadiusSettings(attacks=tuple(names), seed=seed,
+                                  batch_size=batch_size, **tuning)
+        _radius_mode(ckpt, names, settings, n, device, dataset, data_dir, json_path,
+                     csv_path, force)
+        return
+    if radius_tol_text or max_radius_text:
+        raise ValueError("--radius-tol and --max-radius need --radius")
     spec = ATTACK_PRESETS[preset] if preset else None
     norm = norm or (spec.norm if spec else "linf")
     if attack_names:
