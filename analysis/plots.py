@@ -1,4 +1,5 @@
-"""Figures from arrays: certified accuracy, tightness, spectra, Jacobian violins, t-SNE.
+"""Figures from arrays: certified accuracy, certification gap, tightness, spectra,
+Jacobian violins, t-SNE.
 
 Every function takes plain arrays, returns a :class:`matplotlib.figure.Figure`
 and writes a file only when given ``path`` (PNG unless the suffix says
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ import numpy as np
 from matplotlib import cbook, mlab
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import PercentFormatter
 
@@ -139,6 +141,121 @@ def plot_certified_accuracy(
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", loc="best")
+    if title:
+        ax.set_title(title)
+    return _finish(fig, path, pdf)
+
+
+def plot_certification_gap(
+    attack_radius: ArrayLike,
+    certified: Mapping[str, ArrayLike],
+    *,
+    first_order: ArrayLike | None = None,
+    estimates: Collection[str] = (),
+    log: bool | None = None,
+    title: str | None = None,
+    path: PathLike | None = None,
+    pdf: bool = False,
+) -> Figure:
+    """Certified radius against attack radius per sample, with ``y = x``.
+
+    A sound certified radius is at most the true robust radius, which is at
+    most the attack radius: every sound point lies on or below ``y = x`` (the
+    shaded region above it is impossible for a certificate). Samples without a
+    finite positive attack radius (misclassified, or no adversarial point
+    found) are left out and counted in a note.
+
+    Args:
+        attack_radius: ``(n,)`` verified distances of the closest adversarial
+            points (upper bounds of the true radii).
+        certified: method → ``(n,)`` certified radii (0: uncertified, drawn as
+            hollow triangles on the bottom edge). The legend gives each
+            method's median of certified/attack over the drawn samples.
+        first_order: ``(n,)`` first-order limits, drawn as grey crosses and
+            labelled as an estimate; ``None`` to omit.
+        estimates: methods whose radii are estimates (hollow markers, drawn
+            beneath the certificates, labelled).
+        log: log-log axes; ``None`` when the values span decades.
+        path, pdf: where to save (see :func:`save_figure`).
+    """
+    from analysis.gap import median_ratio
+
+    if not certified:
+        raise ValueError("nothing to plot: no certified radii given")
+    a = np.asarray(attack_radius, dtype=float).ravel()
+    cert = {m: _vector(r, a.size, f"certified radii of {m!r}")
+            for m, r in certified.items()}
+    fo = None if first_order is None else _vector(first_order, a.size,
+                                                  "first-order limits")
+    keep = np.isfinite(a) & (a > 0)
+    if not keep.any():
+        raise ValueError("no sample has a finite positive attack radius")
+    if any(np.any(np.isnan(r) | (r < 0)) for r in cert.values()):
+        raise ValueError("certified radii must be >= 0")
+    a_k = a[keep]
+    shown = [a_k, *(r[keep] for r in cert.values())]
+    if fo is not None:
+        shown.append(fo[keep][np.isfinite(fo[keep])])
+    use_log = spans_decades(*shown) if log is None else log
+    positive = np.concatenate([v[(v > 0) & np.isfinite(v)] for v in shown])
+    if use_log:
+        lo, hi = positive.min() / 1.6, positive.max() * 1.6
+        floor = lo * 1.15  # uncertified points, just inside the bottom edge
+    else:
+        lo, hi, floor = 0.0, positive.max() * 1.08, 0.0
+    fig, axes = new_figure(6.4, 5.6)
+    ax = axes[0, 0]
+    ax.fill_between([lo, hi], [lo, hi], [hi, hi], color="0.92", linewidth=0,
+                    zorder=0, label="above y = x: impossible for a sound radius")
+    ax.plot([lo, hi], [lo, hi], color="black", linestyle="--", linewidth=1.2,
+            zorder=1, label="y = x (attack radius)")
+    markers = "osD^P*"
+    any_zero = False
+    for k, (m, r) in enumerate(cert.items()):
+        r_k = r[keep]
+        pos = r_k > 0
+        estimate = m in estimates
+        colour = f"C{k % 10}"
+        ratio = median_ratio(r_k, a_k)
+        label = (f"{m}{' (estimate)' if estimate else ''}: median certified/attack "
+                 f"{ratio:.3g}, {int(pos.sum())}/{pos.size} certified")
+        style = {"marker": markers[k % len(markers)], "s": 22,
+                 "edgecolors": colour, "linewidths": 1.0,
+                 "facecolors": "none" if estimate else colour,
+                 "zorder": 2 if estimate else 4}
+        ax.scatter(a_k[pos], r_k[pos], label=label, **style)
+        if (~pos).any():
+            any_zero = True
+            ax.scatter(a_k[~pos], np.full(int((~pos).sum()), floor), marker="v",
+                       s=22, facecolors="none", edgecolors=colour, linewidths=1.0,
+                       zorder=3, clip_on=False)
+    if fo is not None:
+        f_k = fo[keep]
+        ok = np.isfinite(f_k) & (f_k > 0)
+        ratio = median_ratio(f_k[ok], a_k[ok])
+        ax.scatter(a_k[ok], f_k[ok], marker="x", s=18, color="0.45", linewidths=0.8,
+                   zorder=2, label=f"first-order limit (estimate, not a bound): "
+                                   f"median /attack {ratio:.3g}")
+    handles, labels = ax.get_legend_handles_labels()
+    if any_zero:
+        handles.append(Line2D([], [], linestyle="none", marker="v", color="0.3",
+                              markerfacecolor="none"))
+        labels.append("uncertified (radius 0), on the bottom edge")
+    if use_log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_aspect("equal")
+    ax.set_xlabel("smallest adversarial radius found by attacks (ℓ2, upper bound)")
+    ax.set_ylabel("certified radius (ℓ2)")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(handles, labels, fontsize="x-small", loc="upper left")
+    left_out = int((~keep).sum())
+    if left_out:
+        ax.text(0.99, 0.01, f"{left_out} samples without an attack radius "
+                "(misclassified or none found) not drawn", transform=ax.transAxes,
+                ha="right", va="bottom", fontsize="x-small", color="0.3")
     if title:
         ax.set_title(title)
     return _finish(fig, path, pdf)

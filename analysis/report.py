@@ -202,6 +202,21 @@ def radius_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def gap_table(certify: Any, attack: Any) -> tuple[list[str], list[list[Any]]]:
+    """Per certification method: medians of the certified radius, the attack radius,
+    their ratio and the first-order limit, over the correctly classified samples
+    and over the certified ones (:func:`analysis.gap.summary_rows`)."""
+    from analysis.gap import join, summary_rows
+
+    headers = ["method", "points", "n", "median certified radius",
+               "median attack radius", "median certified/attack",
+               "median first-order limit"]
+    rows = [[r.method + (" (estimate)" if r.estimate else ""), r.points, r.n,
+             r.median_certified, r.median_attack, r.median_ratio,
+             r.median_first_order] for r in summary_rows(join(certify, attack))]
+    return headers, rows
+
+
 def tightness_rows(
     data: Mapping[str, Any], eps: Sequence[float] | None = None
 ) -> tuple[list[str], list[list[Any]]]:
@@ -432,6 +447,29 @@ def pipeline_report(
                 "certify/lipschitz-crown",
             ],
         )
+
+    # Certification gap.
+    radius = _read(out / "attack" / "radius.json")
+    if radius and certs.get("lipschitz"):
+        rep.heading("Certification gap (lipschitz model)")
+        settings = radius.get("settings") or {}
+        rep.text(
+            "Per sample: the certified radius of each method (a lower bound of the "
+            "true robust radius; `(estimate)` rows are not bounds) against the "
+            "smallest adversarial radius the attacks found (worst case over "
+            f"{', '.join(radius.get('attacks') or [])}, {settings.get('steps')} "
+            "steps, bisection on ε; the verified distance of a misclassified point: "
+            "an upper bound). The true radius lies between the two, so a sound "
+            "method's points lie on or below y = x. The first-order limit "
+            "min_j margin_j/‖∇_x margin_j‖ is the distance to the linearised "
+            "decision boundary: an estimate, not a bound. Medians over the "
+            "correctly classified samples (uncertified ones count with radius 0), "
+            "then over the certified samples alone."
+        )
+        rep.table(*gap_table(certs["lipschitz"], radius))
+        if (out / "certify" / "gap.png").exists():
+            rep.image(out / "certify" / "gap.png", "certification gap")
+        _commands(rep, commands, ["certify/lipschitz", "attack/radius", "plot/gap"])
 
     # Tightness.
     parts = [

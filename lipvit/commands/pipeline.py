@@ -50,7 +50,10 @@ class Settings:
     attack_steps: int = 20
     certify_eps: str = "0.002,0.005,0.01,0.02,0.05"
     certify_n: int = 100
-    certify_methods: str = "lofast,lofast-fast,specformer"
+    certify_methods: str = "lofast,lofast-fast,specformer"  # radii: the gap figure
+    radius_attacks: str = "pgd-l2,apgd-t,cw"  # attack radii of the lipschitz model
+    radius_steps: int = 20
+    radius_restarts: int = 1
     crown_eps: str = "0.01"
     crown_n: int = 5
     tightness_eps: str = "0.01,0.02,0.03,0.05,0.07,0.1"
@@ -73,6 +76,8 @@ class Settings:
             attack_steps=5,
             certify_eps="0.05,0.5",
             certify_n=8,
+            radius_attacks="pgd-l2,cw",
+            radius_steps=5,
             crown_n=0,
             tightness_eps="0.01,0.1",
             tightness_n=3,
@@ -290,6 +295,18 @@ def build_plan(
             )
         )
     lip = plan.model("lipschitz")
+    cert, radius_js = out / "certify" / "lipschitz.json", out / "attack" / "radius.json"
+    args = ("--ckpt", str(lip), "--radius", "--attack", s.radius_attacks, "--steps",
+            str(s.radius_steps), "--restarts", str(s.radius_restarts), "--n",
+            str(s.certify_n), *dev, "--json", str(radius_js), "--csv",
+            str(radius_js.with_suffix(".csv")))
+    add(Step("attack/radius", "attack radii of lipschitz (the certified samples)",
+             attack, args, (radius_js, radius_js.with_suffix(".csv")), inputs=(lip,)))
+    fig = out / "certify" / "gap.png"
+    args = ("gap", str(cert), str(radius_js), "--out", str(fig), "--title",
+            "lipschitz: certified radius vs attack radius")
+    add(Step("plot/gap", "plot the certification gap of lipschitz", plot, args,
+             (fig,), inputs=(cert, radius_js)))
     if crown and s.crown_n > 0:
         js = out / "certify" / "lipschitz-crown.json"
         cs = out / "certify" / "lipschitz-crown.csv"

@@ -1,7 +1,7 @@
 """``lipvit plot``: figures from the JSON results of other commands.
 
-``plot`` is a click group; each figure kind is a subcommand (``certified`` here;
-others may be added with ``@plot.command``).
+``plot`` is a click group; each figure kind is a subcommand (``certified``,
+``gap``; others may be added with ``@plot.command``).
 """
 
 from __future__ import annotations
@@ -184,3 +184,58 @@ def certified(results: tuple[Path, ...], out: Path, x_axis: str, title: str | No
         [[label, len(x), f"{float(np.max(acc)):.4f}"]
          for label, (x, acc) in {**curves, **empirical}.items()]))
     click.echo(f"wrote {', '.join(str(t) for t in targets)}")
+
+
+@plot.command("gap")
+@click.argument("certify_json", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("attack_json", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="figure file (.png; .pdf for PDF)")
+@click.option("--method", "method_text", default=None,
+              help="comma list of certification methods (default: every method "
+                   "with radii in CERTIFY_JSON)")
+@click.option("--first-order/--no-first-order", default=True, show_default=True,
+              help="also draw the first-order limits (an estimate)")
+@click.option("--title", default=None)
+@C.pdf_option
+@C.force_option
+def gap(certify_json: Path, attack_json: Path, out: Path, method_text: str | None,
+        first_order: bool, title: str | None, pdf: bool, force: bool) -> None:
+    """Certification gap: per sample, the certified radius (`lipvit certify --radius
+    --json`) against the smallest adversarial radius (`lipvit attack --radius
+    --json`), matched by sample index, with the y = x line."""
+    from analysis.gap import join, summary_rows, violations
+    from analysis.plots import plot_certification_gap  # matplotlib: a slow import
+
+    out_png = out if out.suffix else out.with_suffix(".png")
+    targets = [out_png] + ([out_png.with_suffix(".pdf")]
+                           if pdf and out_png.suffix.lower() != ".pdf" else [])
+    C.check_writable(targets, force)
+    cert = C.read_json(certify_json)
+    methods = (C.parse_names(method_text, _radius_methods(cert), "method")
+               if method_text else None)
+    data = join(cert, C.read_json(attack_json), str(certify_json), str(attack_json),
+                methods)
+    fig = plot_certification_gap(data.attack, data.certified,
+                                 first_order=data.first_order if first_order else None,
+                                 estimates=data.estimates, title=title)
+    for target in targets:
+        with C.atomic_path(target, force) as tmp:
+            fig.savefig(tmp, dpi=150)
+    click.echo(C.format_table(
+        ["method", "points", "n", "median certified", "median attack",
+         "median ratio", "median first-order"],
+        [[r.method + (" (estimate)" if r.estimate else ""), r.points, r.n,
+          r.median_certified, r.median_attack, r.median_ratio, r.median_first_order]
+         for r in summary_rows(data)]))
+    bad = {m: k for m, k in violations(data).items() if k}
+    if bad:
+        click.echo(f"warning: certified radius above the attack radius (unsound?): "
+                   f"{bad}", err=True)
+    click.echo(f"wrote {', '.join(str(t) for t in targets)}")
+
+
+def _radius_methods(data: Any) -> list[str]:
+    samples = data.get("samples") if isinstance(data, Mapping) else None
+    return list(dict.fromkeys(m for s in samples or [] if isinstance(s, Mapping)
+                              for m in (s.get("radii") or {})))
