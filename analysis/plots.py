@@ -235,7 +235,7 @@ def plot_certification_gap(
         ratio = median_ratio(f_k[ok], a_k[ok])
         ax.scatter(a_k[ok], f_k[ok], marker="x", s=18, color="0.45", linewidths=0.8,
                    zorder=2, label=f"first-order limit (estimate, not a bound): "
-                                   f"median /attack {ratio:.3g}")
+                                   f"median first-order/attack {ratio:.3g}")
     handles, labels = ax.get_legend_handles_labels()
     if any_zero:
         handles.append(Line2D([], [], linestyle="none", marker="v", color="0.3",

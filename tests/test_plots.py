@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from matplotlib.collections import LineCollection
+from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.figure import Figure
 
 from analysis import plots as P
@@ -149,3 +149,56 @@ def test_save_png_and_pdf(tmp_path):
 def test_spans_decades():
     assert P.spans_decades([1.0, 150.0])
     assert not P.spans_decades([1.0, 50.0], [0.0, -3.0])
+
+
+def test_certification_gap_series_line_and_log_axes(tmp_path):
+    attack = np.array([0.0, 0.1, 0.2, 0.4, 0.8, np.inf])  # misclassified, ..., none
+    cert = {"lofast": np.array([0.0, 0.002, 0.0, 0.01, 0.02, 0.0]),
+            "fast": np.array([0.0, 0.003, 0.004, 0.011, 0.021, 0.0])}
+    fig = P.plot_certification_gap(attack, cert, first_order=0.8 * attack,
+                                   estimates={"fast"}, title="gap")
+    assert isinstance(fig, Figure) and len(fig.axes) == 1
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"  # 0.002 .. 0.8
+    assert ax.get_xlim() == ax.get_ylim()
+    (diag,) = ax.get_lines()
+    np.testing.assert_allclose(diag.get_xdata(), diag.get_ydata())  # y = x
+    assert diag.get_linestyle() == "--"
+    labels = _legend(ax)
+    # lofast: ratios over the 4 drawn samples 0.02, 0, 0.025, 0.025 -> median 0.0225
+    assert any(t.startswith("lofast: median certified/attack 0.0225, 3/4") for t in
+               labels)
+    assert any(t.startswith("fast (estimate): median certified/attack 0.0269, 4/4")
+               for t in labels)
+    assert any("first-order limit (estimate" in t for t in labels)
+    assert any(t.startswith("uncertified (radius 0)") for t in labels)
+    offsets = [c.get_offsets() for c in ax.collections
+               if isinstance(c, PathCollection)]
+    # lofast certified, lofast uncertified (at the floor), fast, first-order
+    sizes = sorted(len(o) for o in offsets)
+    assert sizes == [1, 3, 4, 4]
+    floor = [o for o in offsets if len(o) == 1][0]
+    np.testing.assert_allclose(floor[0], [0.2, ax.get_ylim()[0] * 1.15])
+    texts = [t.get_text() for t in ax.texts]
+    assert texts == ["2 samples without an attack radius (misclassified or none "
+                     "found) not drawn"]
+    assert ax.get_title() == "gap"
+    assert not list(tmp_path.iterdir())
+    P.plot_certification_gap(attack, cert, path=tmp_path / "g")
+    assert (tmp_path / "g.png").is_file()
+
+
+def test_certification_gap_linear_axes_and_bad_input():
+    attack = np.array([0.2, 0.3, 0.4])
+    fig = P.plot_certification_gap(attack, {"m": [0.1, 0.15, 0.0]}, log=None)
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0
+    assert not any(t.startswith("first-order") for t in _legend(ax))
+    with pytest.raises(ValueError, match="expected 3"):
+        P.plot_certification_gap(attack, {"m": [0.1]})
+    with pytest.raises(ValueError, match=">= 0"):
+        P.plot_certification_gap(attack, {"m": [0.1, np.nan, 0.0]})
+    with pytest.raises(ValueError, match="no sample"):
+        P.plot_certification_gap([0.0, np.inf], {"m": [0.0, 0.0]})
+    with pytest.raises(ValueError, match="nothing"):
+        P.plot_certification_gap(attack, {})
