@@ -469,7 +469,7 @@ def pipeline_report(
         rep.table(*gap_table(certs["lipschitz"], radius))
         if (out / "certify" / "gap.png").exists():
             rep.image(out / "certify" / "gap.png", "certification gap")
-        _commands(rep, commands, ["certify/lipschitz", "attack/radius", "plot/gap"])
+        _commands(rep, commands, ["attack/radius", "plot/gap"])
 
     # Tightness.
     parts = [

@@ -52,13 +52,16 @@ def test_report_tables_links_and_commands(run_dir):
         "## Training",
         "## Robust accuracy under attack",
         "## Certified accuracy",
+        "## Certification gap (lipschitz model)",
         "## Tightness of the bounds",
         "## Spectra: vanilla versus MSVP",
         "## Timings",
     ):
         assert heading in text
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
-    assert len(links) >= 7  # 2 certified, 3 tightness, 2 spectrum figures
+    assert len(links) >= 8  # 2 certified, 1 gap, 3 tightness, 2 spectrum figures
+    assert "certify/gap.png" in links
+    assert "| lofast | correct |" in text  # the gap table
     for link in links:
         assert not Path(link).is_absolute() and (out / link).is_file(), link
     # The tightness table carries the ratio of every bound at every eps.
