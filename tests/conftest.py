@@ -57,6 +57,21 @@ def small_digits(digits: Dataset) -> Dataset:
     )
 
 
+def quick_train(model: torch.nn.Module, data: Dataset, steps: int,
+                lr: float = 3e-3) -> torch.nn.Module:
+    """``steps`` AdamW steps of cross-entropy on batches of 128 training images
+    (the global RNG picks them); returns the model in eval mode."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        i = torch.randint(0, data.x_train.shape[0], (128,))
+        loss = torch.nn.functional.cross_entropy(model(data.x_train[i]),
+                                                 data.y_train[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
 def pgd_lipschitz_ratio(
     fn: Callable[[Tensor], Tensor],
     x: Tensor,

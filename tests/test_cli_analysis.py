@@ -8,8 +8,8 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from click.testing import CliRunner
+from conftest import quick_train
 
 import lipvit
 from lipvit.checkpoint import save_checkpoint
@@ -27,15 +27,9 @@ def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     data = load_dataset("digits")
     model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(80):
-        i = torch.randint(0, data.x_train.shape[0], (128,))
-        loss = F.cross_entropy(model(data.x_train[i]), data.y_train[i])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    model = quick_train(model, data, 80)
     path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
-    save_checkpoint(path, model.eval(), dataset="digits")
+    save_checkpoint(path, model, dataset="digits")
     return path
 
 

@@ -8,9 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from click.testing import CliRunner
-from conftest import tiny_config
+from conftest import quick_train, tiny_config
 
 import lipvit
 from lipvit.checkpoint import save_checkpoint
@@ -28,16 +27,9 @@ def ckpt(tmp_path_factory):
     """A tiny lipschitz ViT on digits, briefly trained."""
     torch.manual_seed(0)
     data = load_dataset("digits")
-    model = lipvit.ViT(tiny_config("lipschitz"))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(60):
-        i = torch.randint(0, data.x_train.shape[0], (128,))
-        loss = F.cross_entropy(model(data.x_train[i]), data.y_train[i])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    model = quick_train(lipvit.ViT(tiny_config("lipschitz")), data, 60)
     path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
-    save_checkpoint(path, model.eval(), dataset="digits")
+    save_checkpoint(path, model, dataset="digits")
     return path
 
 
