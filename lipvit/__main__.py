@@ -1,4 +1,4 @@
-"""``python -m lipvit ...``: the ``lipvit`` command line (also for ``torchrun -m lipvit``)."""
+"""``python -m lipvit ...``: the command line (also for ``torchrun -m lipvit``)."""
 
 from lipvit.cli import main
 
