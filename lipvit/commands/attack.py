@@ -118,7 +118,8 @@ def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int 
 @C.ckpt_option()
 @click.option("--attack", "attack_names", default=None,
               help=f"comma-separated attacks: {', '.join(ATTACKS)} "
-                   "(default: pgd, or pgd-l2 with --norm l2)")
+                   "(default: pgd, or pgd-l2 with --norm l2); with --radius: "
+                   f"{', '.join(RADIUS_ATTACKS)} (default: all)")
 @click.option("--eps", "eps_text", multiple=True,
               help="radius or comma list, e.g. 0.5 or 2/255,8/255 (repeatable)")
 @click.option("--norm", type=click.Choice(["linf", "l2"]), default=None,
@@ -126,11 +127,13 @@ def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int 
 @click.option("--preset", type=click.Choice(list(ATTACK_PRESETS)), default=None,
               help="attack settings of a SpecFormer table; explicit options override")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="iterations of pgd, pgd-l2, cw-pgd, cw (default 20; cw 100)")
+              help="iterations of pgd, pgd-l2, cw-pgd, cw (default 20; cw 100); "
+                   "--radius: of pgd-l2, apgd, apgd-t (default 50)")
 @click.option("--alpha", "alpha_text", default=None,
               help="step size (default 2.5·eps/steps), e.g. 2/255")
 @click.option("--restarts", type=click.IntRange(min=1), default=None,
-              help="random restarts of pgd, pgd-l2, cw-pgd (default 1)")
+              help="random restarts of pgd, pgd-l2, cw-pgd (default 1); --radius: "
+                   "of pgd-l2, apgd (default 2)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--radius", is_flag=True,
               help="instead: each sample's smallest adversarial l2 radius (bisection "
