@@ -163,7 +163,7 @@ def plot_certification_gap(
     most the attack radius: every sound point lies on or below ``y = x`` (the
     shaded region above it is impossible for a certificate). Samples without a
     finite positive attack radius (misclassified, or no adversarial point
-    found) are left out and counted in a note.
+    found) are left out and counted in the legend.
 
     Args:
         attack_radius: ``(n,)`` verified distances of the closest adversarial
@@ -241,6 +241,11 @@ def plot_certification_gap(
         handles.append(Line2D([], [], linestyle="none", marker="v", color="0.3",
                               markerfacecolor="none"))
         labels.append("uncertified (radius 0), on the bottom edge")
+    left_out = int((~keep).sum())
+    if left_out:
+        handles.append(Line2D([], [], linestyle="none"))
+        labels.append(f"{left_out} samples not drawn (misclassified, or no "
+                      "adversarial point found)")
     if use_log:
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -251,11 +256,6 @@ def plot_certification_gap(
     ax.set_ylabel("certified radius (ℓ2)")
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(handles, labels, fontsize="x-small", loc="upper left")
-    left_out = int((~keep).sum())
-    if left_out:
-        ax.text(0.99, 0.01, f"{left_out} samples without an attack radius "
-                "(misclassified or none found) not drawn", transform=ax.transAxes,
-                ha="right", va="bottom", fontsize="x-small", color="0.3")
     if title:
         ax.set_title(title)
     return _finish(fig, path, pdf)
