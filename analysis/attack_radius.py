@@ -307,14 +307,16 @@ def attack_radius(model: nn.Module, x: Tensor, y: Tensor,
     if x.ndim != 4 or y.ndim != 1 or x.shape[0] != y.shape[0]:
         raise ValueError(f"expected images (n, C, S, S) and labels (n,), got "
                          f"{tuple(x.shape)} and {tuple(y.shape)}")
-    if x.numel() and (float(x.min()) < 0 or float(x.max()) > 1):
+    if x.shape[0] == 0:
+        raise ValueError("no samples to attack")
+    if float(x.min()) < 0 or float(x.max()) > 1:
         raise ValueError("images must lie in [0, 1] (models normalise inside)")
     start = time.perf_counter()
     model.eval()
     param = next(model.parameters())
     x, y = x.to(device=param.device, dtype=param.dtype), y.to(param.device)
     n = x.shape[0]
-    max_radius = s.max_radius or float(x[0].numel() ** 0.5)  # the box diagonal
+    max_radius = s.max_radius or float(x.shape[1:].numel() ** 0.5)  # box diagonal
     pred = _predict(model, x, s.batch_size)
     correct = pred == y  # (n,)
     first = first_order_limit(model, x, y, s.batch_size)  # (n,)
@@ -324,7 +326,7 @@ def attack_radius(model: nn.Module, x: Tensor, y: Tensor,
         closest.attack[i] = CLEAN
     lo = torch.zeros(n, dtype=torch.float64, device=x.device)
     probes = torch.zeros(n, dtype=torch.long, device=x.device)
-    n_classes = _num_classes(model, x) if n else 2
+    n_classes = _num_classes(model, x)
     todo = correct.nonzero()[:, 0]
 
     def batches(idx: Tensor):

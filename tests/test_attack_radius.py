@@ -158,3 +158,5 @@ def test_bad_images_are_refused():
         AR.attack_radius(model, x + 1, y, FAST)
     with pytest.raises(ValueError, match="expected images"):
         AR.attack_radius(model, x, y[:3], FAST)
+    with pytest.raises(ValueError, match="no samples"):
+        AR.attack_radius(model, x[:0], y[:0], FAST)
