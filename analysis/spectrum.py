@@ -51,6 +51,7 @@ from analysis.jacobian import (
 from analysis.pgd import pgd_deviation
 from analysis.tightness import block_inputs, token_budgets
 from lipvit.model import ViT
+from lipvit.msvp import attention_modules
 from lipvit.spectral import spectral_norm
 
 MATRICES: tuple[str, ...] = ("W_q", "W_k", "W_v", "W_v W_o")
@@ -66,9 +67,14 @@ def weight_spectra(model: ViT) -> dict[str, np.ndarray]:
     Names are :data:`MATRICES`; values from dense SVDs
     (:func:`lipvit.spectral.spectral_norm`) of the effective weights
     (:meth:`lipvit.model.Attention.head_weights`, caps applied), in float64.
+    A model without query/key/value matrices (``attention="conv"``) gives
+    ``(0, 0)`` arrays.
     """
     out: dict[str, list[np.ndarray]] = {m: [] for m in MATRICES}
-    for attn in model.attention_layers():
+    layers = attention_modules(model)
+    if not layers:
+        return {name: np.zeros((0, 0)) for name in MATRICES}
+    for attn in layers:
         W_q, W_k, W_v, W_o = (W.detach().double() for W in attn.head_weights())
         for name, W in (
             ("W_q", W_q),

@@ -494,7 +494,10 @@ def layer_tightness(
         ValueError: bad layer, radii or method names.
         UnsupportedModelError: biased query/key maps.
     """
+    from certify.network import check_dot_attention
+
     model = _check_model(model)
+    check_dot_attention(model, "the layer tightness comparison (every bound in it)")
     _check_layer_index(model, layer)
     eps_arr = _check_eps_list(eps)
     names = _methods(methods, LAYER_METHODS)

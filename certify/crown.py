@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from certify import lirpa_compat
+from certify.network import check_dot_attention
 from certify.verifiable import PROJECT_SCALE_OP, project_scale, to_verifiable
 from lipvit.errors import UnsupportedModelError
 from lipvit.model import ViT
@@ -332,6 +333,7 @@ def check_crown_support(model: ViT) -> None:
     """
     if not isinstance(model, ViT):
         raise TypeError(f"expected a lipvit.ViT, got {type(model).__name__}")
+    check_dot_attention(model, "lipvit's CROWN wrapper")
     if model.config.family == "standard":
         raise UnsupportedModelError(
             "crown cannot bound the standard family: its exact (erf) GELU has no "

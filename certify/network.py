@@ -249,6 +249,24 @@ def _scale(factor: Tensor | float) -> Callable[[Budget], Budget]:
     return lambda b: Budget(b.all * factor, b.cls * factor)
 
 
+def check_dot_attention(model: ViT, what: str) -> None:
+    """Refuse, in one line, a model whose token mixing is not dot-product attention.
+
+    LoFAST, SpecFormer's Thm 4.2 and the CROWN wrapper are derived for (or
+    wrap) ``softmax(X W_q W_kᵀ Xᵀ/√d) X W_v W_o``; the variants of
+    :mod:`lipvit.attention` compute other maps.
+
+    Raises:
+        UnsupportedModelError: ``model.config.attention`` is not ``"dot"``.
+    """
+    attention = model.config.attention
+    if attention != "dot":
+        raise UnsupportedModelError(
+            f"{what} is derived for dot-product attention; this model uses "
+            f"attention={attention!r}, which it does not bound"
+        )
+
+
 @torch.no_grad()
 def network_bound(model: ViT, x: Tensor, method: Method = "lofast") -> NetworkBound:
     """Compose the layer bounds of ``model`` at clean images ``x`` ``(B, C, S, S)``.
@@ -263,6 +281,7 @@ def network_bound(model: ViT, x: Tensor, method: Method = "lofast") -> NetworkBo
         raise ValueError(
             f"unknown bound method {method!r}; choose from {', '.join(METHODS)}"
         )
+    check_dot_attention(model, f"the {method} network bound")
     cfg = model.config
     x = x.to(dtype=model.pos_embed.dtype)
     steps = [

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 Family = Literal["standard", "lipschitz"]
 AttnProject = Literal["frobenius", "token"]
+AttentionKind = Literal["dot", "l2", "lipnorm", "scsa", "conv"]
+ATTENTIONS: tuple[str, ...] = ("dot", "l2", "lipnorm", "scsa", "conv")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,18 @@ class ViTConfig:
         mean: per-channel normalisation mean applied inside the model (empty:
             0.5 for every channel).
         std: per-channel normalisation standard deviation (empty: 0.5 each).
+        attention: token mixing of every block (:mod:`lipvit.attention`):
+            ``"dot"`` softmax(q kᵀ/√d) (timm, SpecFormer), ``"l2"`` L2
+            self-attention with tied ``W_q = W_k`` (Kim et al. 2021, L2Former),
+            ``"lipnorm"`` dot product with LipschitzNorm before the softmax
+            (Dasoulas et al. 2021, LNFormer), ``"scsa"`` scaled cosine-similarity
+            attention (Qi et al. 2023, LipsFormer), ``"conv"`` a 1-D convolution
+            over the tokens per head group (CoViT, Cauchy-problem paper §5; the
+            class token is then replaced by average pooling). Variants other
+            than ``"dot"`` exist in the standard family only. Checkpoints
+            written before this field existed load as ``"dot"``.
+        conv_kernel: ``"conv"`` only: odd kernel size of every head's 1-D
+            convolution (CoViT "K3": 3).
     """
 
     image_size: int = 8
@@ -61,6 +75,8 @@ class ViTConfig:
     o_cap: float = 0.5
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
+    attention: AttentionKind = "dot"
+    conv_kernel: int = 3
 
     def __post_init__(self) -> None:
         positive = (
@@ -92,6 +108,25 @@ class ViTConfig:
             raise ValueError(
                 "attn_project must be 'frobenius' or 'token', "
                 f"got {self.attn_project!r}"
+            )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"attention must be one of {', '.join(ATTENTIONS)}, "
+                f"got {self.attention!r}"
+            )
+        if self.attention != "dot" and self.family != "standard":
+            raise ValueError(
+                f"attention {self.attention!r} exists in the standard family only "
+                "(the lipschitz family has its own capped dot-product attention)"
+            )
+        if (
+            not isinstance(self.conv_kernel, int)
+            or isinstance(self.conv_kernel, bool)
+            or self.conv_kernel < 1
+            or self.conv_kernel % 2 == 0
+        ):
+            raise ValueError(
+                f"conv_kernel must be an odd positive integer, got {self.conv_kernel!r}"
             )
         if not self.mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")

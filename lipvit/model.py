@@ -51,6 +51,10 @@ class HeadBiases(NamedTuple):
 class Attention(nn.Module):
     """Multi-head dot-product self-attention ``Σ_h softmax(q_h k_hᵀ/√d) v_h W_o[h]``."""
 
+    # The qkv weight's row blocks are W_q[h]ᵀ, W_k[h]ᵀ, W_v[h]ᵀ (MSVP reads them
+    # without slicing); a subclass with another layout sets this to False.
+    fused_qkv = True
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         D, H = cfg.embed_dim, cfg.num_heads
@@ -97,6 +101,16 @@ class Attention(nn.Module):
         return HeadBiases(b_q, b_k, b_v, self.proj.bias)
 
 
+def build_attention(cfg: ViTConfig) -> nn.Module:
+    """The token mixer ``cfg.attention`` selects (:mod:`lipvit.attention`)."""
+    if cfg.attention == "dot":
+        return Attention(cfg)
+    # Imported here: the variants subclass Attention, defined above.
+    from lipvit.attention import VARIANTS
+
+    return VARIANTS[cfg.attention](cfg)
+
+
 class MLP(nn.Module):
     """timm's feed-forward block ``fc2(GELU(fc1(x)))`` (standard family)."""
 
@@ -123,7 +137,7 @@ class Block(nn.Module):
         super().__init__()
         D = cfg.embed_dim
         self.family = cfg.family
-        self.attn = Attention(cfg)
+        self.attn = build_attention(cfg)
         if cfg.family == "standard":
             self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
             self.mlp: nn.Module = MLP(D, cfg.mlp_hidden)
@@ -221,11 +235,19 @@ class ViT(nn.Module):
         return self.norm(tokens)
 
     def forward_head(self, tokens: Tensor) -> Tensor:
-        """Final tokens ``(B, N, D)`` → logits ``(B, classes)`` from the class token."""
+        """Final tokens ``(B, N, D)`` → logits ``(B, classes)`` from the class token.
+
+        ``attention="conv"`` (CoViT) averages all tokens instead, as CoViT does
+        (its code pools before the final LayerNorm; here the tokens are
+        normalised first, like every other variant's).
+        """
+        if self.config.attention == "conv":
+            return self.head(tokens.mean(dim=1))
         return self.head(tokens[:, 0])
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[nn.Module]:
+        """Every block's token mixer (an :class:`Attention` for ``"dot"``)."""
         return [block.attn for block in self.blocks]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lipvit.model import Attention
+from lipvit.errors import UnsupportedModelError
 from lipvit.spectral import matrix_power_iteration
 
 
@@ -56,12 +56,22 @@ class MSVP(nn.Module):
             raise ValueError(f"msvp iterations must be >= 1, got {n_iter}")
         self.modules_ = attention_modules(model)
         if not self.modules_:
+            attention = getattr(getattr(model, "config", None), "attention", None)
+            if attention is not None:
+                raise UnsupportedModelError(
+                    "MSVP penalises sigma_max of W_q, W_k, W_v; this model's token "
+                    f"mixing (attention={attention!r}) has none: train it without "
+                    "--msvp"
+                )
             raise ValueError("model has no attention module with head_weights()")
         self.n_iter = n_iter
-        # lipvit's own attention stores W_q[h]ᵀ, W_k[h]ᵀ, W_v[h]ᵀ as row blocks of
-        # the fused qkv weight: one stack of those weights gives every penalised
-        # matrix (transposed) without per-head slicing (the training hot path).
-        self._fused = all(type(m) is Attention for m in self.modules_)
+        # lipvit's dot, lipnorm and scsa attention store W_q[h]ᵀ, W_k[h]ᵀ,
+        # W_v[h]ᵀ as row blocks of the fused qkv weight: one stack of those
+        # weights gives every penalised matrix (transposed) without per-head
+        # slicing (the training hot path). Others go through head_weights(); for
+        # tied l2 attention W_q and W_k are one matrix, penalised once per role
+        # (λ_q + λ_k), and W_v is its effective value matrix A_h W_V[h].
+        self._fused = all(getattr(m, "fused_qkv", False) for m in self.modules_)
         self.register_buffer("lambdas", torch.tensor(lambdas, dtype=torch.float32))
         W = self.weights()  # (L, 3, H, D, d)
         g = torch.Generator().manual_seed(seed)

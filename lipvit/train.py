@@ -235,16 +235,17 @@ class EpochLog(NamedTuple):
     msvp_penalty: float
     train_acc: float
     test_acc: float
-    sigma_max_mean: float
+    sigma_max_mean: float | None
     lr: float
     seconds: float
 
     def line(self, epochs: int) -> str:
         """The log line printed after the epoch."""
+        sigma = "n/a" if self.sigma_max_mean is None else f"{self.sigma_max_mean:.3f}"
         return (
             f"epoch {self.epoch:>3}/{epochs}  loss {self.loss:.4f}  "
             f"msvp {self.msvp_penalty:.2e}  train {100 * self.train_acc:5.1f}%  "
-            f"test {100 * self.test_acc:5.1f}%  sigma_max {self.sigma_max_mean:.3f}  "
+            f"test {100 * self.test_acc:5.1f}%  sigma_max {sigma}  "
             f"lr {self.lr:.2e}  {self.seconds:.1f}s"
         )
 
@@ -273,10 +274,13 @@ def head_sigmas(model: nn.Module) -> Tensor:
     """Exact σ_max of every head's ``W_q, W_k, W_v, W_o``: shape ``(L, 4, H)``.
 
     Dense SVDs (:func:`lipvit.spectral.spectral_norm`), not power-iteration
-    estimates; ``L`` attention layers in model order.
+    estimates; ``L`` attention layers in model order. A model without
+    query/key/value matrices (``attention="conv"``) gives shape ``(0, 4, 0)``.
     """
     with torch.no_grad():
         mods = attention_modules(_unwrap(model))
+        if not mods:
+            return torch.empty(0, 4, 0)
         return torch.stack(
             [
                 torch.stack(
@@ -291,9 +295,13 @@ def sigma_summary(model: nn.Module) -> dict[str, Any]:
     """Mean and max exact σ_max of the penalised matrices (``W_q, W_k, W_v``).
 
     ``mean`` averages over all heads, layers and the three kinds; ``mean_q``
-    etc. per kind; ``per_layer`` lists ``[q, k, v, o]`` means per layer.
+    etc. per kind; ``per_layer`` lists ``[q, k, v, o]`` means per layer. Every
+    value is ``None`` for a model without those matrices (``attention="conv"``).
     """
     s = head_sigmas(model)  # (L, 4, H)
+    if s.numel() == 0:
+        keys = ("mean", "max", "mean_q", "mean_k", "mean_v", "mean_o")
+        return {**dict.fromkeys(keys), "per_layer": []}
     qkv = s[:, :3]
     return {
         "mean": float(qkv.mean()),

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from lipvit.config import PRESETS, preset
+from lipvit.config import ATTENTIONS, PRESETS, preset
 from lipvit.data import DATASETS, load_dataset
 from lipvit.train import FAMILY_DEFAULTS, summary_path, train, train_config_for
 
@@ -59,6 +59,19 @@ def _defaults_help(name: str) -> str:
     type=click.Choice(("standard", "lipschitz")),
     default="standard",
     show_default=True,
+)
+@click.option(
+    "--attention",
+    type=click.Choice(ATTENTIONS),
+    default=None,
+    help="Token mixing (standard family): dot, l2 (L2Former, tied W_q = W_k), "
+    "lipnorm (LNFormer), scsa (LipsFormer), conv (CoViT) [default: dot].",
+)
+@click.option(
+    "--conv-kernel",
+    type=int,
+    default=None,
+    help="attention conv: odd kernel size of the token convolution [default: 3].",
 )
 @click.option(
     "--v-cap",
@@ -236,6 +249,8 @@ def train_command(
         "o_cap",
         "attn_project",
         "attn_radius",
+        "attention",
+        "conv_kernel",
     )
     size = {k: options.pop(k) for k in size_keys if options.get(k) is not None}
     for k in size_keys:
@@ -269,9 +284,13 @@ def train_command(
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return
     sig = summary["sigma_max"]
+    sigma = (
+        "no W_q, W_k, W_v (conv token mixing)"
+        if sig["mean"] is None
+        else f"mean sigma_max(W_q, W_k, W_v) {sig['mean']:.4f} (q "
+        f"{sig['mean_q']:.4f}, k {sig['mean_k']:.4f}, v {sig['mean_v']:.4f})"
+    )
     click.echo(
         f"saved {out} and {summary_path(out)}: test accuracy "
-        f"{100 * summary['test_acc']:.1f}%, mean sigma_max(W_q, W_k, W_v) "
-        f"{sig['mean']:.4f} (q {sig['mean_q']:.4f}, k {sig['mean_k']:.4f}, "
-        f"v {sig['mean_v']:.4f}), {summary['seconds']:.0f} s"
+        f"{100 * summary['test_acc']:.1f}%, {sigma}, {summary['seconds']:.0f} s"
     )
