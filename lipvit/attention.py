@@ -94,6 +94,15 @@ class L2Attention(nn.Module):
         self.v = nn.Linear(D, D, bias=cfg.qkv_bias)
         self.proj = nn.Linear(D, D)
 
+    def init_weights(self) -> None:
+        """Xavier-normal ``W_q`` (called after the ViT's ``trunc_normal(0.02)``).
+
+        The value path carries ``A_h = W_q W_qᵀ/√d``, quadratic in ``W_q``: at
+        ViT's 0.02 scale it starts near 0 and the class token receives almost
+        nothing from the patches, so training stalls.
+        """
+        nn.init.xavier_normal_(self.qk.weight)
+
     def attention_logits(self, x: Tensor) -> Tensor:
         """``−‖q_i − q_j‖² / √d`` per head, ``(B, H, N, N)``."""
         q = _heads(self.qk(x), self.num_heads)  # (B, H, N, d)

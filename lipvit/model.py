@@ -203,6 +203,10 @@ class ViT(nn.Module):
             self.norm = LayerProject(math.sqrt(D), "token")
             self.head = capped_linear(D, cfg.num_classes)
         self.apply(self._init_weights)
+        for attn in self.attention_layers():  # a variant's own initialisation
+            init = getattr(attn, "init_weights", None)
+            if init is not None:
+                init()
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -238,6 +238,7 @@ class EpochLog(NamedTuple):
     sigma_max_mean: float | None
     lr: float
     seconds: float
+    cpu_seconds: float = 0.0  # process CPU time of the epoch (shared machines)
 
     def line(self, epochs: int) -> str:
         """The log line printed after the epoch."""
@@ -720,7 +721,7 @@ def _train(
     step = start_epoch * steps_per_epoch
     extra: dict[str, Any] | None = None
     for epoch in range(start_epoch, cfg.epochs):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         model.train()
         # Batch order is shared by all ranks; augmentation and PGD starts are
         # per rank. Reseeding per epoch makes a resumed run replay exactly.
@@ -784,6 +785,7 @@ def _train(
             sigma_max_mean=sig["mean"],
             lr=lr,
             seconds=time.perf_counter() - t0,
+            cpu_seconds=time.process_time() - cpu0,
         )
         history.append(record._asdict())
         extra = {

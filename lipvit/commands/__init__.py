@@ -6,6 +6,7 @@ import click
 
 from lipvit.commands.attack import attack
 from lipvit.commands.certify import certify
+from lipvit.commands.compare import compare
 from lipvit.commands.features import features
 from lipvit.commands.info import info_command
 from lipvit.commands.pipeline import pipeline
@@ -23,3 +24,4 @@ COMMANDS: list[click.Command] = [
     features,
 ]
 COMMANDS += [tightness, spectrum, pipeline]
+COMMANDS += [compare]
