@@ -45,6 +45,10 @@ from lipvit.errors import LipvitError, UnsupportedModelError
 from lipvit.files import write_json
 
 Log = Callable[[str], None]
+#: Settings that shape the trained models: another value for the same ``out`` is
+#: refused (``force`` retrains). The others only change the evaluation, which
+#: is redone (per model, announced in the log) when they change.
+TRAIN_KEYS = ("dataset", "preset", "msvp", "epochs", "seed")
 FILES = ("compare.csv", "compare.json", "jacobian.png", "accuracy.png", "report.md")
 
 
@@ -62,7 +66,8 @@ class CompareSettings:
     eps_l2: tuple[float, ...] = (0.1, 0.5)
     n_attack: int = 200
     attack_steps: int = 10
-    autoattack: bool = True
+    autoattack: bool = False
+    n_autoattack: int = 25
     n_jacobian: int = 16
     fast: bool = False
 
@@ -84,7 +89,8 @@ class CompareSettings:
             raise ValueError(f"attention listed twice: {list(self.attentions)}")
         if not (math.isfinite(self.msvp) and self.msvp > 0):
             raise ValueError(f"msvp must be > 0 (the MSVP runs), got {self.msvp}")
-        for name in ("epochs", "n_attack", "attack_steps", "n_jacobian"):
+        for name in ("epochs", "n_attack", "attack_steps", "n_autoattack",
+                     "n_jacobian"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -97,11 +103,9 @@ class CompareSettings:
 
     @classmethod
     def fast_mode(cls, **overrides: Any) -> CompareSettings:
-        """A smoke run: one epoch, a few samples, no AutoAttack (seconds)."""
-        base = dict(
-            epochs=1, n_attack=16, attack_steps=2, autoattack=False, n_jacobian=2,
-            fast=True,
-        )
+        """A smoke run: one epoch, a few samples, 2 PGD steps (seconds)."""
+        base = dict(epochs=1, n_attack=16, attack_steps=2, n_autoattack=4,
+                    n_jacobian=2, fast=True)
         return cls(**{**base, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +113,11 @@ class CompareSettings:
         for k in ("attentions", "eps_linf", "eps_l2"):
             out[k] = list(out[k])
         return out
+
+    def evaluation(self) -> dict[str, Any]:
+        """The settings an evaluation depends on (stored with its cache)."""
+        d = self.to_dict()
+        return {k: v for k, v in d.items() if k not in TRAIN_KEYS + ("attentions",)}
 
 
 @dataclass(frozen=True)
@@ -154,22 +163,22 @@ class Comparison:
 
 
 def check_settings(out: Path, settings: CompareSettings, force: bool) -> None:
-    """Refuse ``out`` made with other settings unless ``force``; record them.
+    """Refuse ``out`` trained with other :data:`TRAIN_KEYS` unless ``force``.
 
     Raises:
-        LipvitError: ``out/settings.json`` holds other settings (the message
-            names the differing keys).
+        LipvitError: ``out/settings.json`` holds other training settings (the
+            message names the differing keys).
     """
     path = out / "settings.json"
     mine = settings.to_dict()
     if path.exists() and not force:
         saved = json.loads(path.read_text())
-        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        diff = [k for k in TRAIN_KEYS if saved.get(k) != mine.get(k)]
         if diff:
             raise LipvitError(
-                f"{out} holds a comparison made with other settings "
-                f"({', '.join(diff)}); pass --force to redo it or choose another "
-                "--out"
+                f"{out} holds models trained with other settings "
+                f"({', '.join(diff)}); pass --force to retrain them or choose "
+                "another --out"
             )
     out.mkdir(parents=True, exist_ok=True)
     write_json(path, mine, force=True)
@@ -247,9 +256,8 @@ def evaluate_run(
     clean = None
     plans = [("linf", e, ["fgsm", "pgd"]) for e in settings.eps_linf]
     plans += [("l2", e, ["pgd-l2"]) for e in settings.eps_l2]
+    n_aa = settings.n_autoattack
     for norm, eps, attacks in plans:
-        if settings.autoattack:
-            attacks = [*attacks, "autoattack"]
         log(f"attacks {norm} eps={eps:.4g}: {', '.join(attacks)}")
         t0 = time.perf_counter()
         res = robust_accuracy(
@@ -260,6 +268,14 @@ def evaluate_run(
         clean = res.clean_accuracy
         for name, acc in res.robust_accuracy.items():
             robust[f"{norm} {eps:g} {name}"] = acc
+        if settings.autoattack:
+            # Its cost is mostly per call, not per image: a fixed subset.
+            log(f"autoattack {norm} eps={eps:.4g} on {min(n_aa, len(x))} images")
+            t0 = time.perf_counter()
+            res = robust_accuracy(model, x[:n_aa], y[:n_aa], ["autoattack"], eps,
+                                  norm, seed=settings.seed)
+            seconds[f"autoattack {norm} {eps:g}"] = time.perf_counter() - t0
+            robust[f"{norm} {eps:g} autoattack"] = res.robust_accuracy["autoattack"]
     model64 = _float64_copy(model)
     x64 = x.to(torch.float64)
     log("block Jacobians")
@@ -343,17 +359,13 @@ def run_compare(
         ckpt = models / f"{run.name}.pt"
         cache = models / f"{run.name}.eval.json"
         t0 = time.perf_counter()
-        if (
-            not force and cache.exists()
-            and cache.stat().st_mtime >= ckpt.stat().st_mtime
-        ):
-            ev = json.loads(cache.read_text())
-            emit(f"{run.name}: evaluation reused ({cache})")
-        else:
+        ev = _cached_evaluation(cache, ckpt, settings, force, run.name, emit)
+        if ev is None:
             model = load_checkpoint(ckpt).model
             with cpu_threads(model.config, torch.device("cpu")):
                 ev = evaluate_run(model, x, y, settings,
                                   lambda s, n=run.name: emit(f"{n}: {s}"))
+            ev["settings"] = settings.evaluation()
             write_json(cache, ev, force=True)
         t_eval += time.perf_counter() - t0
         details[run.name] = {"summary": _short(summary), "evaluation": ev}
@@ -369,6 +381,28 @@ def run_compare(
         {"models": details, "n_test": int(x.shape[0]),
          "dataset": data.describe()},
     )
+
+
+def _cached_evaluation(
+    cache: Path, ckpt: Path, settings: CompareSettings, force: bool, name: str,
+    emit: Log,
+) -> dict[str, Any] | None:
+    """The cached evaluation if it was made of this checkpoint with these
+    settings, else ``None`` (and a log line saying why it is redone)."""
+    if force or not cache.exists():
+        return None
+    if cache.stat().st_mtime < ckpt.stat().st_mtime:
+        emit(f"{name}: checkpoint newer than its evaluation: evaluating again")
+        return None
+    ev = json.loads(cache.read_text())
+    saved, mine = ev.get("settings", {}), settings.evaluation()
+    diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+    if diff:
+        emit(f"{name}: evaluation settings changed ({', '.join(diff)}): "
+             "evaluating again")
+        return None
+    emit(f"{name}: evaluation reused ({cache})")
+    return ev
 
 
 def _short(summary: dict[str, Any]) -> dict[str, Any]:
@@ -428,6 +462,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 def table_columns(settings: CompareSettings) -> list[tuple[str, str]]:
     """``(row key, header)`` of the digits table in SpecFormer's shape."""
     cols = [("model", "model"), ("clean", "clean")]
+    aa = f"AA(n={settings.n_autoattack})"
     for norm, radii, attacks in (
         ("linf", settings.eps_linf, ["fgsm", "pgd"]),
         ("l2", settings.eps_l2, ["pgd-l2"]),
@@ -439,7 +474,7 @@ def table_columns(settings: CompareSettings) -> list[tuple[str, str]]:
             sym = "ℓ∞" if norm == "linf" else "ℓ2"
             for a in attacks:
                 label = {"pgd-l2": "PGD", "pgd": "PGD", "fgsm": "FGSM",
-                         "autoattack": "AA"}[a]
+                         "autoattack": aa}[a]
                 cols.append((f"{norm} {e:g} {a}", f"{label} {sym} {shown}"))
     for e in settings.eps_l2:
         cols.append((f"certified l2 {e:g}", f"cert. ℓ2 {e:g}"))
@@ -525,10 +560,12 @@ def accuracy_figure(comp: Comparison, path=None):
     keys = [("clean", "clean"), (f"linf {e_inf:g} fgsm", f"FGSM {inf}"),
             (f"linf {e_inf:g} pgd", f"PGD {inf}")]
     if s.autoattack:
-        keys.append((f"linf {e_inf:g} autoattack", f"AutoAttack {inf}"))
+        keys.append((f"linf {e_inf:g} autoattack",
+                     f"AutoAttack {inf} (n={s.n_autoattack})"))
     keys.append((f"l2 {e_2:g} pgd-l2", f"PGD ℓ2 {e_2:g}"))
     if s.autoattack:
-        keys.append((f"l2 {e_2:g} autoattack", f"AutoAttack ℓ2 {e_2:g}"))
+        keys.append((f"l2 {e_2:g} autoattack",
+                     f"AutoAttack ℓ2 {e_2:g} (n={s.n_autoattack})"))
     fig, axes = new_figure(8.0, 4.2)
     ax = axes[0, 0]
     n = len(comp.rows)
@@ -588,7 +625,9 @@ def _markdown(comp: Comparison, command: str, methods: list[str]) -> str:
         f"{s.epochs} epochs per model, MSVP λ_q = λ_k = λ_v = {s.msvp:g}, seed "
         f"{s.seed}; attacks on n = {comp.data.get('n_test')} test images "
         f"(PGD {s.attack_steps} steps, step 2.5ε/steps, random start"
-        + (", AutoAttack standard" if s.autoattack else ", no AutoAttack")
+        + (f", AutoAttack standard with its original counts on the first "
+           f"{s.n_autoattack} of them" if s.autoattack
+           else "; AutoAttack not run: pass --autoattack")
         + "). Accuracies in %; robust accuracies are upper bounds (attacks find "
         "adversarial points, they prove nothing); certified accuracy is the LoFAST "
         "network certificate (sound), for dot-product attention only.",
