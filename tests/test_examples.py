@@ -36,6 +36,7 @@ def test_every_example_is_tested():
         "bound_layer.py",
         "certify_batch.py",
         "tightness_plot.py",
+        "compare_attention.py",
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -87,3 +88,17 @@ def test_tightness_plot(monkeypatch, capsys, tmp_path):
         float(line.split("=")[-1]) for line in out.splitlines() if "bound/PGD" in line
     ]
     assert len(ratios) == 24 and min(ratios) >= 1
+
+
+def test_compare_attention(monkeypatch, capsys, tmp_path):
+    out = run_example(
+        "compare_attention.py",
+        ["--fast", "--attention", "dot,scsa", "--out", str(tmp_path)],
+        monkeypatch,
+        capsys,
+    )
+    models = [line.split("|")[1].strip() for line in out.splitlines()
+              if line.startswith("| ") and "model" not in line]
+    assert models == ["dot", "dot-msvp", "scsa", "scsa-msvp"]
+    assert (tmp_path / "jacobian.png").is_file()
+    assert "per-block Jacobian figure:" in out
