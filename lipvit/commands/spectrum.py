@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from lipvit.commands import _common as C
 from lipvit.commands.tightness import threads_option
+from lipvit.errors import UnsupportedModelError
 from lipvit.train import cpu_threads
 
 FILES = (
@@ -116,8 +117,16 @@ def write_outputs(
 
     paths = output_paths(out, pdf)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {label: s.weights for label, s in results.items()}
-    title = "exact σ_max per head: " + " vs ".join(results)
+    # attention="conv" (CoViT) has no W_q, W_k, W_v: only its Jacobians count.
+    weights = {
+        label: s.weights for label, s in results.items() if s.weights["W_q"].size
+    }
+    if not weights:
+        raise UnsupportedModelError(
+            "no checkpoint has W_q, W_k, W_v (conv token mixing): add one with "
+            "attention for the weight spectra"
+        )
+    title = "exact σ_max per head: " + " vs ".join(weights)
     fig = plot_spectra(weights, title=title)
     violins = {}
     for label, s in results.items():
@@ -168,7 +177,7 @@ def write_outputs(
             "method",
         ],
     )
-    labels = list(results)
+    labels = list(weights)
     comparison = (
         compare_weights(weights, labels[0], PENALISED + ("W_v W_o",))
         if len(labels) > 1
@@ -369,9 +378,10 @@ def spectrum(
             ],
         )
     )
+    names = [lb for lb in names if results[lb].weights["W_q"].size]
     if len(names) > 1:
         rows = compare_weights(
-            {lb: s.weights for lb, s in results.items()}, names[0], PENALISED
+            {lb: results[lb].weights for lb in names}, names[0], PENALISED
         )
         click.echo(f"\nlower than {names[0]} in every block (largest head):")
         click.echo(
