@@ -22,8 +22,12 @@ One model per (attention, MSVP on/off) of :data:`lipvit.config.ATTENTIONS`
 unfinished checkpoint resumes, a finished one is reused; an evaluation is
 cached in ``<name>.eval.json`` and redone when its checkpoint is newer) and
 returns a :class:`Comparison`; :func:`write_report` writes the CSV, JSON,
-PNG and markdown files. Settings are stored in ``out/settings.json``; other
-settings for the same ``out`` are refused unless ``force`` (which redoes all).
+PNG and markdown files. Settings are stored in ``out/settings.json``: other
+training settings (:data:`TRAIN_KEYS`) for the same ``out`` are refused unless
+``force`` (which retrains everything); other evaluation settings redo the
+evaluations (announced per model). AutoAttack is opt-in and runs on the first
+``n_autoattack`` attacked images: its cost is mostly per call (about a minute
+of CPU per model and radius on digits), not per image.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ LayerProject in place of LayerNorm, a projection of the token matrix before each
 attention, SLL feed-forward layers, a patch embedding and head of spectral norm
 ≤ 1, and per-head caps on ``‖W_v[h]‖`` and ``‖W_o[h]‖``. Models know nothing
 about bounds: ``Attention.head_weights`` is the one interface certification and
-the MSVP penalty use.
+the MSVP penalty use. ``ViTConfig.attention`` swaps the standard family's
+dot-product attention for one of the token mixers of :mod:`lipvit.attention`
+(L2, LipschitzNorm, scaled cosine similarity, CoViT's convolution).
 """
 
 from __future__ import annotations
