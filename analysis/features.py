@@ -43,7 +43,8 @@ from analysis.attacks import perturb
 def penultimate_features(model: nn.Module, x: Tensor, batch_size: int = 512) -> Tensor:
     """Class-token features after the final norm, ``φ(x)``: ``(B, D)``, detached.
 
-    The input of the linear head: ``model.forward_features(x)[:, 0]``.
+    The input of the linear head: ``model.pool(model.forward_features(x))``, the
+    class token (the mean token for CoViT's ``attention="conv"``).
     """
     model.eval()
     device = next(model.parameters()).device
@@ -51,7 +52,7 @@ def penultimate_features(model: nn.Module, x: Tensor, batch_size: int = 512) -> 
     with torch.no_grad():
         for i in range(0, x.shape[0], batch_size):
             tokens = model.forward_features(x[i:i + batch_size].to(device))  # (b, N, D)
-            out.append(tokens[:, 0])  # (b, D)
+            out.append(model.pool(tokens))  # (b, D)
     return torch.cat(out)
 
 

@@ -240,16 +240,20 @@ class ViT(nn.Module):
             tokens = block(tokens)
         return self.norm(tokens)
 
-    def forward_head(self, tokens: Tensor) -> Tensor:
-        """Final tokens ``(B, N, D)`` → logits ``(B, classes)`` from the class token.
+    def pool(self, tokens: Tensor) -> Tensor:
+        """Final tokens ``(B, N, D)`` → the head's input ``(B, D)``: the class token.
 
         ``attention="conv"`` (CoViT) averages all tokens instead, as CoViT does
         (its code pools before the final LayerNorm; here the tokens are
         normalised first, like every other variant's).
         """
         if self.config.attention == "conv":
-            return self.head(tokens.mean(dim=1))
-        return self.head(tokens[:, 0])
+            return tokens.mean(dim=1)
+        return tokens[:, 0]
+
+    def forward_head(self, tokens: Tensor) -> Tensor:
+        """Final tokens ``(B, N, D)`` → logits ``(B, classes)`` (:meth:`pool`)."""
+        return self.head(self.pool(tokens))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))

@@ -215,10 +215,15 @@ def test_conv_is_local(kernel: int) -> None:
 
 
 def test_conv_pools_all_tokens() -> None:
+    from analysis.features import penultimate_features
+
     model = _model("conv")
     tokens = torch.randn(2, 17, 16, dtype=torch.float64)
     want = model.head(tokens.mean(dim=1))
     assert torch.allclose(model.forward_head(tokens), want)
+    x = torch.rand(2, 1, 8, 8, dtype=torch.float64)
+    assert torch.allclose(penultimate_features(model, x),
+                          model.forward_features(x).mean(dim=1))
 
 
 # ------------------------------------------------------------------ MSVP
