@@ -1,4 +1,4 @@
-"""Jacobian spectra of token maps (Cauchy-problem paper eq. 5, 15, 16; MATH.md §7).
+"""Jacobian spectra of token maps (Cauchy-problem paper eq. 5, 15, 16; docs/math.md §7).
 
 The Cauchy-problem paper bounds a residual network's first-order deviation by
 ``ε · exp(Σ_k ‖J_{F_k}‖)`` (eq. 15) and reports per-block ``σ_max(J)``, exactly
@@ -103,7 +103,7 @@ def block_jacobian_sigma(
     seed: int = 0,
     max_size: int = EXACT_MAX_SIZE,
 ) -> Tensor:
-    """σ_max of the Jacobian of a token map at ``X`` (Cauchy paper eq. 15, MATH.md §7).
+    """σ_max of the Jacobian of a token map at ``X`` (Cauchy paper eq. 15, docs/math.md §7).
 
     Args:
         fn: sample-independent batched map ``(B, N, D) → (B, N, D)`` (any

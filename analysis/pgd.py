@@ -2,7 +2,7 @@
 
 Every upper bound in ``certify/`` is compared with :func:`pgd_deviation`: the
 largest ``‖fn(X') − fn(X)‖_F`` that projected gradient ascent finds with
-``‖X' − X‖_F ≤ ε`` (LoFAST §6 uses the same lower bound, MATH.md §2 "Paper
+``‖X' − X‖_F ≤ ε`` (LoFAST §6 uses the same lower bound, docs/math.md §2.3 "Paper
 check"). Every evaluated point lies in the ball, so the result is a **lower
 bound** of the true maximal deviation (float rounding aside); it is not a
 certificate of anything.

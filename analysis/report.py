@@ -403,7 +403,7 @@ def pipeline_report(
             "Prop. 1), with δ_out the composed network bound. `lofast-fast` uses "
             "power-iteration estimates and is **not** a certificate. The MSVP "
             "model is a standard (LayerNorm) ViT: its bound goes through the local "
-            "LayerNorm constants (MATH.md §6)."
+            "LayerNorm constants (docs/math.md §6)."
         )
         if certs:
             rep.table(*certify_table(certs))

@@ -2,12 +2,12 @@
 
 Three views of how much a trained ViT can amplify a perturbation:
 
-1. **Weights** (SpecFormer Fig. 2a, MATH.md §4): the exact σ_max (dense SVD) of
+1. **Weights** (SpecFormer Fig. 2a, docs/math.md §4): the exact σ_max (dense SVD) of
    every head's ``W_q[h]``, ``W_k[h]``, ``W_v[h]`` (the matrices MSVP
    penalises) and of ``W_v[h] W_o[h]`` (what LoFAST's ζ multiplies),
    :func:`weight_spectra`.
 2. **Block Jacobians** (Cauchy-problem paper eq. 5, 15, 16, Fig. 3, Tables
-   1-2; MATH.md §7): every transformer block is a step
+   1-2; docs/math.md §7): every transformer block is a step
    ``x_k = x_{k−1} + F_k(x_{k−1})`` with the residual branch
    ``F_k(X) = block_k(X) − X`` (for the standard family
    ``attn(LN(x)) + mlp(LN(·))``; for the lipschitz family the SLL sub-layer has

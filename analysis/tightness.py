@@ -32,7 +32,7 @@ Two targets:
   ``[0, 1]``, perturbed in ℓ2 over the whole ball, no box) to the logits; the
   bounds are :meth:`certify.network.NetworkBound.delta_out`.
 
-Bounds (registry :data:`LAYER_METHODS`, :data:`NETWORK_METHODS`; MATH.md §2, §3):
+Bounds (registry :data:`LAYER_METHODS`, :data:`NETWORK_METHODS`; docs/math.md §2, §3):
 
 ================  ============================================================
 name              bound on one layer (``ε`` the Frobenius radius at ``Z``)

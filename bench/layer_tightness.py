@@ -11,7 +11,7 @@ layer (seeded):
   ``--qk-norm`` (default 1; unconstrained in LoFAST, of order one after
   training).
 
-Three settings (MATH.md §5):
+Three settings (docs/math.md §5):
 
 1. ``frobenius``: the input token matrix is projected onto the Frobenius ball
    of radius 1 (what LoFAST's architecture does before each attention).

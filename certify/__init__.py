@@ -1,6 +1,6 @@
 """Certified bounds on the local sensitivity of attention layers and whole ViTs.
 
-Pure functions of tensors (MATH.md §2, §3, §6):
+Pure functions of tensors (docs/math.md §2, §3, §6):
 
 - :func:`attention`: the attention map ``H X + Σ_h P_h(X) X W_v[h] W_o[h]``.
 - :func:`lofast_bound` / :func:`lofast_terms`: LoFAST Theorem 1 and extensions.

@@ -1,6 +1,6 @@
 """The multi-head self-attention map that LoFAST and SpecFormer bound (LoFAST eq. 4-6).
 
-Symbols (MATH.md §2; shapes use ``B`` batch, ``N`` tokens, ``D`` width, ``H``
+Symbols (docs/math.md §2; shapes use ``B`` batch, ``N`` tokens, ``D`` width, ``H``
 heads, ``d`` head width):
 
 =============  ==========  ===================================================
@@ -108,12 +108,12 @@ def attention_probs(X: Tensor, W_q: Tensor, W_k: Tensor) -> Tensor:
 
 
 def value_output(W_v: Tensor, W_o: Tensor) -> Tensor:
-    """``W_vo[h] = W_v[h] W_o[h]`` (MATH.md's ``M_l``), ``(H, D, D)``."""
+    """``W_vo[h] = W_v[h] W_o[h]`` (``M_h`` of docs/math.md §2), ``(H, D, D)``."""
     return W_v @ W_o
 
 
 def query_key(W_q: Tensor, W_k: Tensor) -> Tensor:
-    """``W_qk[h] = W_q[h] W_k[h]ᵀ`` (MATH.md's ``A_l``, no ``1/√d``), ``(H, D, D)``."""
+    """``W_qk[h] = W_q[h] W_k[h]ᵀ`` (``A_h`` of docs/math.md §2, no ``1/√d``), ``(H, D, D)``."""
     return W_q @ W_k.transpose(-1, -2)
 
 

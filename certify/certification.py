@@ -1,4 +1,4 @@
-"""Margin certification and certified radii, LoFAST Proposition 1 (MATH.md §1).
+"""Margin certification and certified radii, LoFAST Proposition 1 (docs/math.md §1).
 
 If ``‖F(x') − F(x)‖₂ ≤ δ`` on the ball ``‖x' − x‖₂ ≤ ε`` then every logit
 difference moves by at most ``√2 δ``; a correctly classified point whose margin

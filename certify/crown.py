@@ -10,7 +10,7 @@ to ``a·x + c ± ε‖a‖_2`` (Hölder). The ball is **not** intersected with t
 so they are sound, just not as tight as they could be near the box's faces.
 
 Margins are bounded directly with a specification matrix ``C`` (row ``j`` is
-``e_y − e_j``). Certification is MATH.md §1 with CROWN in place of δ: certified
+``e_y − e_j``). Certification is docs/math.md §1 with CROWN in place of δ: certified
 iff the clean point is classified ``y`` and every ``logit_y − logit_j``
 (``j ≠ y``) has a positive lower bound over the ball.
 

@@ -1,4 +1,4 @@
-"""Local Lipschitz constants of the non-attention layers (MATH.md §5, §6; LoFAST §5).
+"""Local Lipschitz constants of the non-attention layers (docs/math.md §5, §6; LoFAST §5).
 
 Pure functions of tensors. Each returns a constant ``L`` with
 ``‖f(X') − f(X)‖_F ≤ L · ‖X' − X‖_F`` for every ``X'`` in the Frobenius ball
@@ -18,7 +18,7 @@ symbol        variable            meaning
 ``η``         ``eta``             LayerNorm variance epsilon
 ``ε``         ``eps``             Frobenius radius of the input ball
 ``R``         ``radius``          LayerProject radius, LoFAST eq. (29)
-``L_LN``      return value        MATH.md §6 (extension)
+``L_LN``      return value        docs/math.md §6 (extension)
 ============  ==================  ===============================================
 
 Shapes: ``B`` batch, ``N`` tokens, ``D`` width.
@@ -74,7 +74,7 @@ def _check_tokens(X: Tensor) -> None:
 def layernorm_local_lipschitz(
     X: Tensor, gamma: Tensor | None, eta: float, eps: float | Tensor
 ) -> Tensor:
-    """Local Lipschitz constant of LayerNorm on the ε-ball, MATH.md §6 (extension).
+    """Local Lipschitz constant of LayerNorm on the ε-ball, docs/math.md §6 (extension).
 
     ``LN(x) = √D γ ⊙ c / sqrt(‖c‖² + Dη) + β`` with ``c = x − mean(x)``. The map
     ``c ↦ c / sqrt(‖c‖² + κ)`` has Jacobian
@@ -231,7 +231,7 @@ def gelu_deriv_max(approximate: Literal["none", "tanh"] = "none") -> float:
 def gelu_mlp_local_lipschitz(
     W1: Tensor, W2: Tensor, approximate: Literal["none", "tanh"] = "none"
 ) -> Tensor:
-    """Lipschitz constant of ``x ↦ W2 GELU(W1 x + b1) + b2``, MATH.md §6.
+    """Lipschitz constant of ``x ↦ W2 GELU(W1 x + b1) + b2``, docs/math.md §6.
 
     ``‖W2‖ · max|GELU'| · ‖W1‖``: GELU acts elementwise, so its Jacobian is
     diagonal with entries bounded by ``max|GELU'|`` (:func:`gelu_deriv_max`),

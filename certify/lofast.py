@@ -3,7 +3,7 @@
 ``‖F(X') − F(X)‖_F ≤ ζ(X) ε + δ2(X, ε)`` for every ``‖X' − X‖_F ≤ ε``, with
 ``F(X) = H X + Σ_h P_h(X) X W_v[h] W_o[h]`` (:func:`certify.attention.attention`).
 
-Symbols (MATH.md §2; shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H``
+Symbols (docs/math.md §2; shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H``
 heads, ``d`` head width):
 
 ===================  =================  =========================================
@@ -23,7 +23,7 @@ paper                code               meaning, equation
 Vectorisation: the paper's ``vec(Γᵀ)`` is the row-major flattening of ``Γ``
 (``Γ.reshape(N*D)``); every dense matrix here acts on that vector.
 
-Extensions beyond the paper (MATH.md §2, proved in the docstrings and tested
+Extensions beyond the paper (docs/math.md §2, proved in the docstrings and tested
 against PGD):
 
 * ``delta_2_half``: row-wise softmax has the symmetric PSD Jacobian

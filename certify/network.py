@@ -1,6 +1,6 @@
 """End-to-end local sensitivity of a ViT: ``δ_out(x, ε) ≥ ‖logits(x') − logits(x)‖₂``.
 
-The bound composes layer bounds along the network (LoFAST §5.2, MATH.md §1, §5,
+The bound composes layer bounds along the network (LoFAST §5.2, docs/math.md §1, §5,
 §6): ``ε_{k+1} = δ_k(X_k, ε_k)`` with ``X_k`` the clean input of layer ``k``.
 Each layer bound is split into quantities of the clean activations alone (ζ,
 ‖M_h(X)‖, weight norms, token norms), computed once, and a cheap function of

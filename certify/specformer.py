@@ -1,6 +1,6 @@
 """SpecFormer's local Lipschitz bound of self-attention (Hu et al., Theorem 4.2, eq. 9).
 
-Symbols (MATH.md §3; shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H``
+Symbols (docs/math.md §3; shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H``
 heads, ``d`` head width):
 
 =================  ===========  ================================================
@@ -17,7 +17,7 @@ Theorem 4.2 (single head, no output projection):
 ``Lip_local(Att, X0) ≤ N(N+1) (‖X0‖_F + δ0)² [‖W^V‖‖W^Q‖‖W^K‖ + ‖W^V‖]``.
 The deviation bound is ``Lip_local · ε`` (mean value theorem on the convex
 ball). Extension to the layer of :func:`certify.attention.attention`
-(MATH.md §3): the Jacobian of ``Σ_h f_h(X) W_o[h]`` has norm at most
+(docs/math.md §3): the Jacobian of ``Σ_h f_h(X) W_o[h]`` has norm at most
 ``Σ_h ‖W_o[h]‖ ‖J_{f_h}‖``, so the per-head bounds are multiplied by
 ``‖W_o[h]‖`` and summed; the residual adds ``‖H‖ = 1``.
 

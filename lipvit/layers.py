@@ -1,4 +1,4 @@
-"""Building blocks of the lipschitz ViT family (LoFAST §5.2, MATH.md §5).
+"""Building blocks of the lipschitz ViT family (LoFAST §5.2, docs/math.md §5).
 
 Every layer here is 1-Lipschitz in ℓ2 (Frobenius for token matrices), or has a
 spectral norm held below a cap by construction:
@@ -116,7 +116,7 @@ class SLL(nn.Module):
 
     ``y = x − 2 · (ReLU(x W + b) / T) Wᵀ`` for row vectors ``x`` of width ``D``,
     ``W`` of shape ``(D, m)`` and ``T_i = Σ_j |WᵀW|_ij · q_j / q_i`` with
-    ``q = exp(log_q)`` (MATH.md §5). Attribute names follow timm's MLP
+    ``q = exp(log_q)`` (docs/math.md §5). Attribute names follow timm's MLP
     (``fc1`` holds ``W`` and ``b``).
     """
 

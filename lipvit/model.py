@@ -4,7 +4,7 @@ Shapes: ``B`` batch, ``C`` channels, ``N`` tokens (patches + class token), ``D``
 width, ``H`` heads, ``d = D / H`` head width.
 
 The standard family is timm's pre-norm ViT (LayerNorm, GELU MLP) as SpecFormer
-trains it. The lipschitz family is LoFAST's §5.2 architecture (MATH.md §5):
+trains it. The lipschitz family is LoFAST's §5.2 architecture (docs/math.md §5):
 LayerProject in place of LayerNorm, a projection of the token matrix before each
 attention, SLL feed-forward layers, a patch embedding and head of spectral norm
 ≤ 1, and per-head caps on ``‖W_v[h]‖`` and ``‖W_o[h]‖``. Models know nothing

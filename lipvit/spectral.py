@@ -62,7 +62,7 @@ def power_iteration(
     """Power iteration on ``AᵀA`` for σ_max(A), batched, matrix-free.
 
     One step is ``u ← A v / ‖A v‖``, ``v ← Aᵀ u / ‖Aᵀ u‖`` (SpecFormer Alg. 1,
-    MATH.md §4); the estimate ``σ = ‖A v‖`` is non-decreasing in exact arithmetic
+    docs/math.md §4); the estimate ``σ = ‖A v‖`` is non-decreasing in exact arithmetic
     and converges to σ_max **from below**.
 
     Args:

@@ -2,7 +2,7 @@
 
 Shapes: ``B`` batch, ``C`` channels, ``S`` image side, ``L`` layers, ``H`` heads.
 
-One training step (SpecFormer eq. 11/14, MATH.md §4)::
+One training step (SpecFormer eq. 11/14, docs/math.md §4)::
 
     J = CE(s · f(x̃), y)
         + Σ_layers Σ_heads [λ_q σ²(W_q[h]) + λ_k σ²(W_k[h]) + λ_v σ²(W_v[h])]

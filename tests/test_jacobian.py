@@ -95,8 +95,8 @@ def _softmax_d1(a: float):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_single_head_d1_closed_form(seed: int) -> None:
     # J = a{diag(z) P diag(z) − diag(z ⊙ μ) P + diag(σ²)} + P, μ = Pz,
-    # σ² = P z² − μ². MATH.md §7 / the paper's eq. 5 print the middle term as
-    # P diag(z) diag(μ); that version is checked to differ below.
+    # σ² = P z² − μ² (derived in docs/math.md §7). The paper's eq. 5 prints the
+    # middle term as P diag(z) diag(μ); that version is checked to differ below.
     g = torch.Generator().manual_seed(seed)
     B, N, a = 3, 6, 0.8 + seed
     Z = torch.randn(B, N, 1, generator=g, dtype=DT)

@@ -92,7 +92,7 @@ def test_sll_is_1_lipschitz_exact_jacobian(seed: int) -> None:
 
 
 def test_sll_matches_its_formula() -> None:
-    # y = x − 2 W T⁻¹ ReLU(Wᵀx + b), T_ii = Σ_j |WᵀW|_ij q_j / q_i (MATH.md §5).
+    # y = x − 2 W T⁻¹ ReLU(Wᵀx + b), T_ii = Σ_j |WᵀW|_ij q_j / q_i (docs/math.md §5).
     layer = SLL(4, 5).double()
     with torch.no_grad():
         layer.log_q.copy_(_randn(5, seed=3))

@@ -1,4 +1,4 @@
-"""Power iteration and the MSVP penalty (SpecFormer eq. 11/14, MATH.md §4)."""
+"""Power iteration and the MSVP penalty (SpecFormer eq. 11/14, docs/math.md §4)."""
 
 from __future__ import annotations
 
