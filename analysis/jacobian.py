@@ -103,7 +103,7 @@ def block_jacobian_sigma(
     seed: int = 0,
     max_size: int = EXACT_MAX_SIZE,
 ) -> Tensor:
-    """σ_max of the Jacobian of a token map at ``X`` (Cauchy paper eq. 15, docs/math.md §7).
+    """σ_max of the Jacobian of a token map at ``X`` (Cauchy eq. 15, docs/math.md §7).
 
     Args:
         fn: sample-independent batched map ``(B, N, D) → (B, N, D)`` (any

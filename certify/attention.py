@@ -113,7 +113,7 @@ def value_output(W_v: Tensor, W_o: Tensor) -> Tensor:
 
 
 def query_key(W_q: Tensor, W_k: Tensor) -> Tensor:
-    """``W_qk[h] = W_q[h] W_k[h]ᵀ`` (``A_h`` of docs/math.md §2, no ``1/√d``), ``(H, D, D)``."""
+    """``W_qk[h] = W_q[h] W_k[h]ᵀ`` (``A_h`` of docs/math.md §2, no ``1/√d``)."""
     return W_q @ W_k.transpose(-1, -2)
 
 

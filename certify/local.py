@@ -1,4 +1,4 @@
-"""Local Lipschitz constants of the non-attention layers (docs/math.md §5, §6; LoFAST §5).
+"""Local Lipschitz constants of the non-attention layers (docs/math.md §5, §6).
 
 Pure functions of tensors. Each returns a constant ``L`` with
 ``‖f(X') − f(X)‖_F ≤ L · ‖X' − X‖_F`` for every ``X'`` in the Frobenius ball
