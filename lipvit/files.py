@@ -28,10 +28,38 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def check_writable(paths: Iterable[str | os.PathLike | None], force: bool) -> None:
-    """Refuse (``LipvitError``) if any of ``paths`` exists and ``force`` is off.
+def _check_parent(path: Path) -> None:
+    """Refuse a path whose nearest existing ancestor is a file or not writable."""
+    parent = path.parent
+    while not parent.exists():
+        if parent.is_symlink():  # a dangling link: mkdir would fail on it
+            raise LipvitError(f"{parent}: a broken symbolic link")
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LipvitError(f"cannot write {path}: {parent} is a file, not a directory")
+    _probe(parent, path)
 
-    Call it before long computations, so nothing is computed in vain.
+
+def _probe(directory: Path, target: Path) -> None:
+    """Create and remove a temporary file in ``directory`` (permission bits alone
+    do not tell: root ignores them, and /proc or read-only mounts refuse anyway)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".lipvit-probe.", dir=directory)
+    except OSError as err:
+        raise LipvitError(
+            f"cannot write {target}: cannot create a file in {directory} ({err.strerror})"
+        ) from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_writable(paths: Iterable[str | os.PathLike | None], force: bool) -> None:
+    """Refuse (``LipvitError``) outputs that cannot or must not be written.
+
+    A path is refused if it is a directory, if it exists and ``force`` is off,
+    or if the nearest existing directory on its way is a file or not writable
+    (the missing directories would be created). Call it before long
+    computations, so nothing is computed in vain.
     """
     for path in paths:
         if path is None:
@@ -41,11 +69,26 @@ def check_writable(paths: Iterable[str | os.PathLike | None], force: bool) -> No
             raise LipvitError(f"{path} is a directory")
         if path.exists() and not force:
             raise LipvitError(f"{path} exists; pass --force to overwrite it")
-        parent = next((p for p in path.absolute().parents if p.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise LipvitError(f"cannot write {path}: {parent} is not a directory")
-        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-            raise LipvitError(f"cannot write {path}: {parent} is not writable")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise LipvitError(f"cannot write {path}: permission denied")
+        _check_parent(path)
+
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Refuse (``LipvitError``) an output directory that cannot be created or written.
+
+    ``path`` may exist (a directory) or not (its missing parents are created
+    later); an existing file, a file among its ancestors or an unwritable
+    ancestor is refused before any work.
+    """
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise LipvitError(f"{path} is a file, not a directory")
+        _probe(path, path)
+        return path
+    _check_parent(path)
+    return path
 
 
 @contextlib.contextmanager

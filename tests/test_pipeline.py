@@ -120,6 +120,25 @@ def test_missing_or_stale_outputs_rerun_only_their_steps(run_dir):
     assert all(step.done() for step in plan.steps)
 
 
+def test_changed_settings_are_refused_before_any_work(run_dir):
+    out, _ = run_dir
+    plan = build_plan(out, Settings.fast_mode())
+    for step in plan.steps:  # every output has its settings beside it
+        assert step.recorded()["hash"] == step.settings_hash()
+        assert step.recorded()["command"] == step.line()
+    mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    r = CliRunner().invoke(main, ["pipeline", "--out", str(out)])  # not --fast
+    assert r.exit_code == 1, r.output
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert "other settings" in errors[0] and "--force" in errors[0]
+    assert "train/vanilla" in errors[0] and "--epochs 2" in errors[0]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == mtimes
+    # The full-size plan differs from the fast one in every step's settings.
+    full = build_plan(out, Settings())
+    assert all(step.stale() for step in full.steps)
+
+
 @pytest.mark.parametrize(
     "args",
     [

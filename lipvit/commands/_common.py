@@ -32,6 +32,7 @@ from lipvit.errors import LipvitError
 
 # Re-exported: the commands call them as ``C.write_json`` etc.
 from lipvit.files import atomic_path as atomic_path
+from lipvit.files import check_output_dir as check_output_dir
 from lipvit.files import check_writable as check_writable
 from lipvit.files import to_jsonable as to_jsonable
 from lipvit.files import write_json as write_json

@@ -14,10 +14,18 @@ output files all exist and are newer than its inputs (the checkpoints or
 results it reads) is skipped; training resumes an unfinished checkpoint and
 skips a finished one; ``--force`` redoes everything. Timings per step are kept
 in ``OUT/pipeline.json``.
+
+Settings. Beside the first output of every step lies ``<output>.settings.json``:
+a hash of the step's effective configuration (its command line, which fixes
+every option) and that line. A run whose steps' outputs exist but were made
+with other settings (e.g. ``--fast`` before, not now) is refused before any
+work, naming the steps; ``--force`` redoes them. So the report's "Reproduce"
+lines are always the commands that made its numbers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -112,6 +120,37 @@ class Step:
         from analysis.report import command_line
 
         return command_line([self.command.name, *self.args])
+
+    def settings_hash(self) -> str:
+        """Hash of the effective configuration: the command and all its options."""
+        text = json.dumps([self.command.name, *self.args])
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+    @property
+    def settings_path(self) -> Path:
+        """``<first output>.settings.json``, written after the step ran."""
+        first = self.outputs[0]
+        return first.with_name(first.name + ".settings.json")
+
+    def recorded(self) -> dict[str, Any] | None:
+        """The settings record of existing outputs (``None``: no outputs, or none
+        recorded)."""
+        try:
+            data = json.loads(self.settings_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def stale(self) -> bool:
+        """Outputs exist that were made with other (or unrecorded) settings."""
+        if not any(p.exists() for p in self.outputs):
+            return False
+        recorded = self.recorded()
+        return recorded is None or recorded.get("hash") != self.settings_hash()
+
+    def record_settings(self) -> None:
+        C.write_json(self.settings_path,
+                     {"hash": self.settings_hash(), "command": self.line()}, force=True)
 
     def done(self) -> bool:
         """All outputs exist and are newer than every input (like make); for
@@ -428,7 +467,23 @@ def run_step(step: Step, force: bool) -> str:
     elif force or any(p.exists() for p in step.outputs):
         args.append("--force")  # a partial earlier run: redo the whole step
     step.command.main(args=args, prog_name=step.prog, standalone_mode=False)
+    step.record_settings()
     return status
+
+
+def check_settings(plan: Plan) -> None:
+    """Refuse (``LipvitError``) a run directory whose outputs other settings made."""
+    stale = [step for step in plan.steps if step.stale()]
+    if not stale:
+        return
+    first = stale[0].recorded()
+    was = first.get("command", "?") if first else "not recorded"
+    raise LipvitError(
+        f"{plan.out} holds outputs made with other settings ({len(stale)} of "
+        f"{len(plan.steps)} steps: {', '.join(s.key for s in stale)}); "
+        f"{stale[0].key} was made by: {was}; now it would be: {stale[0].line()}. "
+        "Pass --force to redo them, or choose another --out"
+    )
 
 
 def write_report(plan: Plan, record: dict[str, Any]) -> Path:
@@ -579,6 +634,9 @@ def pipeline(
         crown=crown,
         threads=threads,
     )
+    C.check_output_dir(out)
+    if not force:
+        check_settings(plan)
     out.mkdir(parents=True, exist_ok=True)
     click.echo(
         f"lipvit pipeline: {len(plan.steps)} steps into {out}"

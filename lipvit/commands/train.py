@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from lipvit.commands import _common as C
 from lipvit.config import ATTENTIONS, PRESETS, preset
 from lipvit.data import DATASETS, load_dataset
 from lipvit.train import FAMILY_DEFAULTS, summary_path, train, train_config_for
@@ -252,6 +253,8 @@ def train_command(
         "attention",
         "conv_kernel",
     )
+    if out.suffix != ".json":  # (a .json --out is refused by `train` itself)
+        C.check_writable([out, summary_path(out)], force=force or resume)
     size = {k: options.pop(k) for k in size_keys if options.get(k) is not None}
     for k in size_keys:
         options.pop(k, None)
