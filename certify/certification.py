@@ -9,7 +9,7 @@ the whole ball.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -36,19 +36,29 @@ def certified_radius(
     margins: Tensor,
     delta_out: Callable[[Tensor], Tensor],
     *,
-    tol: float = 1e-4,
+    rtol: float = 1e-3,
+    tol: float = 0.0,
     max_radius: float = 10.0,
-    max_iter: int = 60,
+    max_iter: int = 100,
+    certified_at: Sequence[tuple[float, Tensor]] = (),
 ) -> Tensor:
     """Largest certified ε per sample, by bisection on the monotone ``δ_out(x, ε)``.
 
     Args:
         margins: ``(B,)`` clean margins.
         delta_out: ``ε (B,) ↦ δ_out (B,)``, non-decreasing in ε.
-        tol: the bracket is shrunk until ``hi − lo ≤ tol`` (absolute).
+        rtol: the bracket is shrunk until ``hi − lo ≤ max(rtol · hi, tol)``
+            (relative by default: a radius is within ``rtol`` of the largest
+            certified ε, whatever its size).
+        tol: absolute tolerance (0: relative only).
         max_radius: upper end of the search (a radius at or above it is
             reported as ``max_radius`` only if certified there).
         max_iter: cap on bisection steps.
+        certified_at: ``(ε, certified (B,) bool)`` pairs already decided with
+            the same ``delta_out`` (e.g. the per-ε results): the bisection
+            starts from the largest certified ε and below the smallest
+            uncertified one, so a point certified at a listed ε gets a radius
+            ``≥ ε`` and one not certified there a radius ``< ε``.
 
     Returns:
         ``(B,)`` radii: the lower end of the final bracket, a value at which the
@@ -56,14 +66,19 @@ def certified_radius(
         including misclassified ones). Sound: ``r > 0`` implies certification on
         the ball of radius ``r``.
     """
-    if not tol > 0 or not max_radius > 0:
-        raise ValueError("tol and max_radius must be > 0")
+    if not (rtol >= 0 and tol >= 0 and (rtol > 0 or tol > 0)) or not max_radius > 0:
+        raise ValueError("rtol, tol must be >= 0 (one > 0) and max_radius > 0")
     lo = torch.zeros_like(margins)
     hi = torch.full_like(margins, max_radius)
-    top = is_certified(margins, delta_out(hi))
+    for eps, ok in certified_at:
+        e = torch.full_like(margins, float(eps))
+        lo = torch.where(ok & (e > lo) & (e <= hi), e, lo)
+        hi = torch.where(~ok & (e < hi) & (e > lo), e, hi)
+    top = (hi == max_radius) & is_certified(margins, delta_out(hi))
     lo = torch.where(top, hi, lo)
     for _ in range(max_iter):
-        open_ = (hi - lo > tol) & ~top & (margins > 0)
+        width = torch.maximum(rtol * hi, torch.full_like(hi, tol))
+        open_ = (hi - lo > width) & ~top & (margins > 0)
         if not bool(open_.any()):
             break
         mid = (lo + hi) / 2

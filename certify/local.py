@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lipvit.spectral import gamma as gamma_k
 from lipvit.spectral import spectral_norm
 
 Mode = Literal["token", "frobenius"]
@@ -62,6 +63,19 @@ def _eps_per_sample(eps: float | Tensor, X: Tensor) -> Tensor:
     if not bool(torch.isfinite(eps_t).all()) or bool((eps_t < 0).any()):
         raise ValueError(f"eps must be a finite non-negative number, got {eps}")
     return eps_t.expand(X.shape[0])
+
+
+def _norm_range(norms: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """Bounds ``(low, high)`` of the exact norms whose float values are ``norms``.
+
+    A Euclidean norm of ``dim`` entries is computed with relative error at most
+    ``γ_{dim+2}`` (Higham §3.1: the sum of squares, then the square root); the
+    centring of LayerNorm adds ``γ_{dim+2}`` again, covered by using
+    ``2 dim + 4``. A condition such as ``‖x‖ + ε ≤ R`` decided on the float
+    value could otherwise hold in float and fail in exact arithmetic.
+    """
+    g = gamma_k(2 * dim + 4)
+    return norms * (1 - g), norms * (1 + g)
 
 
 def _check_tokens(X: Tensor) -> None:
@@ -106,9 +120,10 @@ def layernorm_local_lipschitz(
     g_inf = (torch.ones((), dtype=X.dtype, device=X.device) if gamma is None
              else gamma.detach().to(X.dtype).abs().amax())
     c_norm = torch.linalg.vector_norm(X - X.mean(-1, keepdim=True), dim=-1)  # (B, N)
-    lower = (c_norm - eps_b[:, None]).clamp_min(0)  # (B, N): min ‖c'‖ on the ball
+    c_low, _ = _norm_range(c_norm, D)  # exact ‖c‖ ≥ c_low
+    lower = (c_low - eps_b[:, None]).clamp_min(0)  # (B, N): min ‖c'‖ on the ball
     L = g_inf * math.sqrt(D) / (lower.square() + D * eta).sqrt()  # (B, N)
-    return L.amax(-1)
+    return L.amax(-1) * (1 + gamma_k(8))  # the rounding of these few operations
 
 
 def _vector_norms(X: Tensor, mode: Mode) -> Tensor:
@@ -118,6 +133,11 @@ def _vector_norms(X: Tensor, mode: Mode) -> Tensor:
     if mode == "frobenius":
         return torch.linalg.vector_norm(X, dim=(-2, -1))[:, None]  # (B, 1)
     raise ValueError(f"mode must be 'token' or 'frobenius', got {mode!r}")
+
+
+def _vector_size(X: Tensor, mode: Mode) -> int:
+    """Entries of one projected vector: ``D`` (token) or ``N·D`` (frobenius)."""
+    return X.shape[-1] if mode == "token" else X.shape[-2] * X.shape[-1]
 
 
 def _check_radius(radius: float) -> None:
@@ -152,9 +172,10 @@ def layer_project_local_lipschitz(
     _check_tokens(X)
     _check_radius(radius)
     eps_b = _eps_per_sample(eps, X)  # (B,)
-    gap = _vector_norms(X, mode) - eps_b[:, None]  # (B, N) or (B, 1): min ‖y‖ on ball
+    low, _ = _norm_range(_vector_norms(X, mode), _vector_size(X, mode))
+    gap = low - eps_b[:, None]  # (B, N) or (B, 1): min ‖y‖ on the ball
     L = torch.where(gap > radius, radius / gap.clamp_min(radius), torch.ones_like(gap))
-    return L.amax(-1)
+    return (L.amax(-1) * (1 + gamma_k(4))).clamp_max(1)
 
 
 def layer_project_is_identity(
@@ -164,7 +185,9 @@ def layer_project_is_identity(
 
     True where ``‖x‖ + ε ≤ R`` for every projected vector (each token for
     ``mode="token"``, since every token moves by at most ε; the token matrix
-    for ``"frobenius"``): then ``p(X') = X'`` for all ``‖X' − X‖_F ≤ ε``.
+    for ``"frobenius"``): then ``p(X') = X'`` for all ``‖X' − X‖_F ≤ ε``. The
+    test is decided on an upper bound of the exact norm (:func:`_norm_range`),
+    so float rounding never makes it true where the exact condition fails.
 
     Returns:
         ``(B,)`` bool tensor.
@@ -172,7 +195,8 @@ def layer_project_is_identity(
     _check_tokens(X)
     _check_radius(radius)
     eps_b = _eps_per_sample(eps, X)  # (B,)
-    return (_vector_norms(X, mode) + eps_b[:, None] <= radius).all(-1)
+    _, high = _norm_range(_vector_norms(X, mode), _vector_size(X, mode))
+    return ((high + eps_b[:, None]) * (1 + gamma_k(2)) <= radius).all(-1)
 
 
 def linear_norm(W: Tensor) -> Tensor:

@@ -40,10 +40,12 @@ against PGD):
 
 Exact versus estimated norms. ζ is the largest singular value of an
 ``(N·D) × (N·D)`` matrix and ``‖M_l(X)‖`` that of an ``N² × (N·D)`` matrix.
-``exact=True`` returns guaranteed upper bounds (float rounding in forming the
-Gram matrices aside):
+``exact=True`` returns guaranteed upper bounds for the float64 attention
+matrices and factors (the rounding of forming and solving the Gram matrices is
+covered by a margin, docs/math.md "Rounding"):
 
-* Gram size ``n ≤ EIGVALSH_MAX_N`` (256): dense Gram matrix, ``eigvalsh``.
+* Gram size ``n ≤ EIGVALSH_MAX_N`` (256): dense Gram matrix, ``eigvalsh``
+  plus the rounding margin (:func:`lipvit.spectral.eigvalsh_upper`).
 * larger: a matrix-free power-iteration estimate ``σ_est`` (from below), then a
   certificate ``λ_max(G) ≤ μ = σ_est²(1 + τ)`` proved by a successful Cholesky
   factorisation of ``μ I − G`` shifted by a Rump-type rounding margin
@@ -87,7 +89,7 @@ from certify.attention import (
     query_key,
     value_output,
 )
-from lipvit.spectral import power_iteration, spectral_norm
+from lipvit.spectral import eigvalsh_upper, gamma, power_iteration, spectral_norm
 
 Op = Callable[[Tensor], Tensor]
 
@@ -323,7 +325,8 @@ def lemma2_gram(C: Tensor, E: Tensor) -> Tensor:
 # --------------------------------------------------------------------------
 
 
-def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7) -> float:
+def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7, *,
+                         scale: float = 0.0, inner: int = 0) -> float:
     """Guaranteed upper bound of ``λ_max(G)`` for a symmetric PSD ``G``, ``(n, n)``.
 
     For ``μ = lower · (1 + τ)``, ``τ = τ0, 10 τ0, …, ≤ 0.1``: if a floating-point
@@ -336,42 +339,46 @@ def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7) -> float:
     ``c = 2 γ_{n+2}/(1 − 2γ_{n+2}) · tr(μ I − G)`` (``γ_k = k u/(1 − k u)``)
     exceeds ``‖ΔA‖`` with a factor 2 to spare (covering the rounding of the
     shifted diagonal). If every ``τ`` fails, falls back to
-    ``eigvalsh``. ``G`` is negated in place during the call and restored
-    exactly.
+    :func:`lipvit.spectral.eigvalsh_upper`. ``G`` is negated in place during
+    the call and restored exactly. The rounding of forming ``G`` itself,
+    ``≤ γ_inner · scale`` in norm, is added to the result.
 
     Args:
         G: symmetric PSD matrix, float64.
         lower: an estimate of ``λ_max(G)`` (ideally from below; any value is
             sound, a poor one only costs time).
         tau0: first relative increment tried.
+        scale, inner: bound of ``‖K̃‖_F²`` and the dot-product length with
+            which ``G`` was formed (:func:`lipvit.spectral.eigvalsh_upper`).
 
     Returns:
-        A float ``≥ λ_max(G)`` (float rounding in forming ``G`` itself aside).
+        A float ``≥ λ_max`` of the exact Gram matrix that ``G`` rounds.
     """
     assert G.dtype == torch.float64 and G.ndim == 2
     n = G.shape[0]
     u = torch.finfo(torch.float64).eps / 2
-    gamma = (n + 2) * u / (1 - (n + 2) * u)
+    g = (n + 2) * u / (1 - (n + 2) * u)
     tiny = torch.finfo(torch.float64).tiny
     scale = max(float(G.diagonal().max()), tiny)
     lower = max(float(lower), 0.0)
     tau = max(float(tau0), 1e-12)
+    formed = gamma(inner + 2) * float(scale)  # rounding of forming G
     G.neg_()  # exact; undone in `finally`
     diag = G.diagonal().clone()  # −G_ii
     try:
         while tau <= 0.1:
             mu = lower * (1 + tau) + tau * 1e-12 * scale
             trace_A = float((diag + mu).clamp_min(0).sum())  # tr(μI − G)
-            margin = 2 * gamma / (1 - 2 * gamma) * trace_A + 1e3 * tiny
+            margin = 2 * g / (1 - 2 * g) * trace_A + 1e3 * tiny
             G.diagonal().copy_(diag + (mu - margin))  # μI − G − cI, rounded once
             _, info = torch.linalg.cholesky_ex(G)
             if int(info) == 0:
-                return mu
+                return mu + formed
             tau *= 10
     finally:
         G.diagonal().copy_(diag)
         G.neg_()
-    return float(torch.linalg.eigvalsh(G)[-1].clamp_min(0))
+    return float(eigvalsh_upper(G, scale, inner))
 
 
 class _Estimate(NamedTuple):
@@ -399,17 +406,42 @@ def _estimate(
     return _Estimate(sigma, res / lam.clamp_min(torch.finfo(lam.dtype).tiny))
 
 
-def _certified_sigma(grams: Tensor, est: _Estimate) -> Tensor:
+class _Rounding(NamedTuple):
+    """How Gram matrices were formed: ``scale ≥ ‖K̃‖_F²`` ``(k,)``, dot length."""
+
+    scale: Tensor
+    inner: int
+
+
+def _certified_sigma(grams: Tensor, est: _Estimate, rnd: _Rounding) -> Tensor:
     """σ_max upper bounds from Gram matrices ``(k, n, n)`` and estimates ``(k,)``."""
     values = [certified_lambda_max(grams[i], float(est.sigma[i]) ** 2,
-                                   max(1e-7, 2 * float(est.residual[i])))
+                                   max(1e-7, 2 * float(est.residual[i])),
+                                   scale=float(rnd.scale[i]), inner=rnd.inner)
               for i in range(grams.shape[0])]
     return torch.tensor(values, dtype=torch.float64, device=grams.device).sqrt()
 
 
-def _dense_sigma(grams: Tensor) -> Tensor:
-    """σ_max from Gram matrices by ``eigvalsh`` (exact, float rounding aside)."""
-    return torch.linalg.eigvalsh(grams)[..., -1].clamp_min(0).sqrt()
+def _dense_sigma(grams: Tensor, rnd: _Rounding) -> Tensor:
+    """σ_max upper bounds from Gram matrices: ``eigvalsh`` plus the rounding margin."""
+    return eigvalsh_upper(grams, rnd.scale, rnd.inner).sqrt()
+
+
+def _sensitivity_rounding(P: Tensor, W_vo: Tensor, residual: bool) -> _Rounding:
+    """:func:`sensitivity_gram`'s rounding: ``K̃ = Σ_h |P_h| ⊗ |W_vo[h]|ᵀ`` (plus
+    ``I`` for the residual) has ``‖K̃‖_F ≤ Σ_h ‖P_h‖_F ‖W_vo[h]‖_F (+ √(N·D))``;
+    the products run over ``N`` (PᵀP), ``D`` (W Wᵀ) and the head pairs."""
+    B, H, N, _ = P.shape
+    D = W_vo.shape[-1]
+    frob = (torch.linalg.matrix_norm(P) * torch.linalg.matrix_norm(W_vo)).sum(-1)
+    frob = frob + (math.sqrt(N * D) if residual else 0.0)  # (B,)
+    return _Rounding(frob.square(), N + D + (H + 1) ** 2)
+
+
+def _lemma2_rounding(C: Tensor, E: Tensor) -> _Rounding:
+    """:func:`lemma2_gram`'s rounding: ``‖K̃‖_F ≤ ‖C‖_F + ‖E‖_F``, dot length ``N``."""
+    scale = (torch.linalg.matrix_norm(C) + torch.linalg.matrix_norm(E)).square()
+    return _Rounding(scale, C.shape[-2])
 
 
 def _start(shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -451,16 +483,20 @@ def _key_sensitivity(
     n = N * D
     method = _method(n, exact)
     if exact and n <= EIGVALSH_MAX_N:
-        gram = sensitivity_gram(P, value_output(W_v, W_o), residual)  # (B, n, n)
-        return NormBound(_dense_sigma(gram), method, True)
+        W_vo = value_output(W_v, W_o)  # (H, D, D)
+        gram = sensitivity_gram(P, W_vo, residual)  # (B, n, n)
+        rnd = _sensitivity_rounding(P, W_vo, residual)
+        return NormBound(_dense_sigma(gram, rnd), method, True)
     est = _estimate(lambda G: sensitivity_matvec(G, P, W_v, W_o, residual),
                     lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
                     _start((B, N, D), P), n_iter, tol)
     if not exact:
         return NormBound(est.sigma, method, False)
     W_vo = value_output(W_v, W_o)  # (H, D, D)
+    rnd = _sensitivity_rounding(P, W_vo, residual)
     values = [_certified_sigma(sensitivity_gram(P[b:b + 1], W_vo, residual),  # (1,n,n)
-                               _Estimate(est.sigma[b:b + 1], est.residual[b:b + 1]))
+                               _Estimate(est.sigma[b:b + 1], est.residual[b:b + 1]),
+                               _Rounding(rnd.scale[b:b + 1], rnd.inner))
               for b in range(B)]  # one (N·D)² Gram matrix at a time
     return NormBound(torch.cat(values), method, True)
 
@@ -510,13 +546,16 @@ def _lemma2_norm(
     n = N * C.shape[-1]
     method = _method(n, exact)
     if exact and n <= EIGVALSH_MAX_N:
-        return NormBound(_dense_sigma(lemma2_gram(C, E)), method, True)
+        return NormBound(_dense_sigma(lemma2_gram(C, E), _lemma2_rounding(C, E)),
+                         method, True)
     est = _estimate(lambda G: lemma2_op(G, C, E), lambda Y: lemma2_op_adjoint(Y, C, E),
                     _start(C.shape, X), n_iter, tol)
     if not exact:
         return NormBound(est.sigma, method, False)
+    rnd = _lemma2_rounding(C, E)  # scale (B, H)
     values = [_certified_sigma(lemma2_gram(C[b], E[b]),  # (H, n, n)
-                               _Estimate(est.sigma[b], est.residual[b]))
+                               _Estimate(est.sigma[b], est.residual[b]),
+                               _Rounding(rnd.scale[b], rnd.inner))
               for b in range(B)]
     return NormBound(torch.stack(values), method, True)
 

@@ -61,6 +61,7 @@ from certify.specformer import specformer_terms
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import LayerProject
 from lipvit.model import ViT
+from lipvit.spectral import eigvalsh_upper
 
 Method = Literal["lofast", "lofast-fast", "specformer"]
 DeltaFn = Callable[[Tensor], Tensor]  # (B,) budget in -> (B,) bound out
@@ -133,8 +134,10 @@ def class_row_sensitivity(P: Tensor, W_vo: Tensor) -> Tensor:
     The class token's row of LoFAST's first-order term (eq. 10, ``H = 0``) is
     ``Σ_n (Σ_h P_h[0, n] W_vo[h]ᵀ) Γ[n]ᵀ``: the ``D × N·D`` matrix
     ``K = [K_1 … K_N]``, ``K_n = Σ_h P_h[0, n] W_vo[h]ᵀ``, whose norm is
-    ``√λ_max(Σ_n K_n K_nᵀ)`` (dense ``D × D`` eigvalsh: exact up to float
-    rounding). Under diffuse attention it is about ``‖W_vo‖/√N``, while the
+    ``√λ_max(Σ_n K_n K_nᵀ)`` (dense ``D × D`` eigvalsh plus the rounding
+    margin of :func:`lipvit.spectral.eigvalsh_upper` with
+    ``‖K̃‖_F ≤ Σ_h ‖P_h[0, :]‖ ‖W_vo[h]‖_F``: an upper bound). Under diffuse
+    attention it is about ``‖W_vo‖/√N``, while the
     whole-matrix ζ is about ``‖W_vo‖`` (extension; tested against brute force).
 
     Args:
@@ -146,7 +149,10 @@ def class_row_sensitivity(P: Tensor, W_vo: Tensor) -> Tensor:
     """
     K = torch.einsum("bhn,hED->bnDE", P[:, :, 0], W_vo)  # (B, N, D, D): K_n
     gram = torch.einsum("bnij,bnkj->bik", K, K)  # (B, D, D): Σ_n K_n K_nᵀ
-    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
+    row = torch.linalg.vector_norm(P[:, :, 0], dim=-1)  # (B, H): ‖P_h[0, :]‖
+    scale = (row * torch.linalg.matrix_norm(W_vo)).sum(-1).square()  # (B,)
+    N, D, H = P.shape[-1], W_vo.shape[-1], W_vo.shape[0]
+    return eigvalsh_upper(gram, scale, inner=N * D + H).sqrt()
 
 
 class AttentionBound(NamedTuple):

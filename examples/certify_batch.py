@@ -63,7 +63,7 @@ def main() -> None:
             f"{eps:6.2f}  {float(delta.mean()):14.5f}  "
             f"{float(is_certified(m, delta).double().mean()):9.3f}"
         )
-    radius = certified_radius(m, bound.delta_out, tol=1e-4)
+    radius = certified_radius(m, bound.delta_out, rtol=1e-4)
     print(
         f"certified radius: median {float(radius.median()):.4f}, "
         f"max {float(radius.max()):.4f}"

@@ -47,7 +47,8 @@ def _probe(directory: Path, target: Path) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".lipvit-probe.", dir=directory)
     except OSError as err:
         raise LipvitError(
-            f"cannot write {target}: cannot create a file in {directory} ({err.strerror})"
+            f"cannot write {target}: cannot create a file in {directory} "
+            f"({err.strerror})"
         ) from None
     os.close(fd)
     os.unlink(tmp)

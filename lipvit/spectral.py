@@ -6,7 +6,9 @@ Training (the MSVP penalty) and certification share these two functions.
 ``matvec(v) = A v`` and adjoint ``rmatvec(u) = Aᵀ u``. Its value ``uᵀ A v``
 converges to ``σ_max(A)`` **from below**: it is an estimate, never a certified
 upper bound. ``spectral_norm`` is exact (dense SVD) and is what a certificate
-may use.
+may use. ``eigvalsh_upper`` is ``λ_max`` of a Gram matrix plus a margin that
+covers the rounding of forming it and of the eigensolver (docs/math.md,
+"Rounding").
 """
 
 from __future__ import annotations
@@ -122,6 +124,38 @@ def matrix_power_iteration(
         n_iter,
         tol=tol,
     )
+
+
+UNIT_ROUNDOFF = torch.finfo(torch.float64).eps / 2
+
+
+def gamma(k: int) -> float:
+    """``γ_k = k u/(1 − k u)``, ``u`` the float64 unit roundoff (Higham §3.1)."""
+    ku = k * UNIT_ROUNDOFF
+    if not ku < 0.5:
+        raise ValueError(f"gamma({k}) is not small: the size is beyond float64")
+    return ku / (1 - ku)
+
+
+def eigvalsh_upper(G: Tensor, scale: Tensor | float, inner: int) -> Tensor:
+    """Upper bound of ``λ_max`` of the exact Gram matrix that ``G`` rounds, ``(...)``.
+
+    ``G`` ``(..., n, n)`` float64 was formed in floating point from factors
+    ``K`` with dot products of length ``≤ inner``, and ``scale ≥ ‖K̃‖_F²``
+    bounds the matrix of absolute products (``K̃ = |K|`` for ``G = KᵀK``; the
+    caller states it for structured forms). Then
+    ``|fl(G) − G| ≤ γ_inner K̃ᵀK̃`` entrywise, of spectral norm
+    ``≤ γ_inner scale``; the symmetric eigensolver is backward stable, its
+    eigenvalues those of ``fl(G) + E`` with ``‖E‖`` a modest multiple of
+    ``n u ‖G‖`` (LAPACK states no constant; ``γ_{8n} ‖G‖_F`` is taken). By
+    Weyl's inequality the computed ``λ_max`` plus both terms is an **upper
+    bound** (docs/math.md, "Rounding"). ``scale`` is a scalar or ``(...)``.
+    """
+    n = G.shape[-1]
+    lam = torch.linalg.eigvalsh(G)[..., -1].clamp_min(0)
+    margin = gamma(inner + 2) * torch.as_tensor(scale, dtype=G.dtype, device=G.device)
+    margin = margin + gamma(8 * n) * torch.linalg.matrix_norm(G)  # Frobenius
+    return lam + margin
 
 
 def spectral_norm(W: Tensor) -> Tensor:

@@ -119,11 +119,39 @@ def test_margin_and_radius_closed_form():
     m = margin(logits, y)
     assert m.tolist() == [2.0, -2.0]
     # δ_out(ε) = 4ε: certified iff 2 > √2·4ε, i.e. ε < 1/(2√2).
-    r = certified_radius(m, lambda e: 4 * e, tol=1e-6)
+    r = certified_radius(m, lambda e: 4 * e, rtol=0, tol=1e-6)
     assert r[1] == 0
     assert abs(float(r[0]) - 1 / (2 * math.sqrt(2))) < 2e-6
     assert r[0] <= 1 / (2 * math.sqrt(2))
     assert bool(is_certified(m[:1], 4 * r[:1]))
+
+
+def test_radii_agree_with_per_eps_certificates(trained, digits):
+    """acc@r≥ε equals certified accuracy at every listed ε (per sample), and at
+    other ε lies between certified accuracy at ε and at ε(1 − rtol)."""
+    model = trained
+    x, y = digits.x_test[:48].double(), digits.y_test[:48]
+    bound = network_bound(model, x)
+    m = margin(bound.logits, y)
+    free = certified_radius(m, bound.delta_out)
+    pos = free[free > 0]
+    assert pos.numel() >= 3
+    eps_list = [float(q) for q in pos.quantile(torch.tensor([0.25, 0.5, 0.75],
+                                                            dtype=pos.dtype))]
+    rtol = 1e-3
+    report = certify_samples(model, x, y, ["lofast"], eps_list, radius=True,
+                             radius_rtol=rtol)
+    r = report.radii["lofast"]
+    for eps in eps_list:
+        cert = report.certified[f"lofast@{eps}"]
+        assert torch.equal(r >= eps, cert)
+        assert float((r >= eps).float().mean()) == pytest.approx(
+            [x.certified_accuracy for x in report.results if x.eps == eps][0])
+    for eps in (float(pos.min()) * 1.7, float(pos.median()) * 1.01):  # not listed
+        cert = is_certified(m, bound.delta_out(eps))
+        assert torch.all(cert[r >= eps])  # acc@r≥ε ≤ certified accuracy at ε
+        assert torch.all(r[cert] >= eps * (1 - rtol))  # equal up to the tolerance
+    assert torch.all(is_certified(m, bound.delta_out(r))[r > 0])  # r is certified
 
 
 def _attack_l2(model, x, y, eps, seed=0):
@@ -149,7 +177,7 @@ def test_certified_points_survive_attacks(trained, digits):
     model = trained
     x, y = digits.x_test[:64].double(), digits.y_test[:64]
     bound = network_bound(model, x)
-    radii = certified_radius(margin(bound.logits, y), bound.delta_out, tol=1e-4)
+    radii = certified_radius(margin(bound.logits, y), bound.delta_out)
     assert (radii > 0).sum() >= 3, "the model should certify some points"
     # A budget at which some, not all, certified points hold (from the data).
     eps = float(radii[radii > 0].median())
@@ -171,7 +199,7 @@ def test_certified_radius_is_sound(trained, digits):
     x, y = digits.x_test[:32].double(), digits.y_test[:32]
     bound = network_bound(model, x)
     m = margin(bound.logits, y)
-    r = certified_radius(m, bound.delta_out, tol=1e-4)
+    r = certified_radius(m, bound.delta_out, rtol=0, tol=1e-4)
     pos = r > 0
     assert torch.all(is_certified(m, bound.delta_out(r))[pos])
     assert torch.all(~is_certified(m, bound.delta_out(r + 2e-4)) | (r >= 10.0))

@@ -85,7 +85,7 @@ def _samples(report: CertifyReport, index) -> list[dict]:
     type=click.FloatRange(min=0, min_open=True),
     default=1e-3,
     show_default=True,
-    help="bisection tolerance (the sound lower end is kept)",
+    help="relative bisection tolerance (the sound lower end is kept)",
 )
 @C.n_option
 @click.option(
@@ -141,7 +141,7 @@ def certify(
             methods,
             eps_list,
             radius=radius,
-            radius_tol=radius_tol,
+            radius_rtol=radius_tol,
             batch_size=batch_size,
             progress=bar.update,
         )

@@ -1,0 +1,92 @@
+"""Exact-mode eigenvalues cover float rounding (docs/math.md, "Rounding").
+
+The reference is λ_max of the Gram matrix computed in 60-digit arithmetic
+(mpmath) from the same float64 factors. ``torch.linalg.eigvalsh`` of the
+float64 Gram matrix fell below it on 5 of the 12 cases below (before the
+margin); the bounds the certificates use never do. Likewise, deciding
+"LayerProject is the identity on the ball" on float norms was wrong in 123 of
+300 boundary cases.
+"""
+
+from __future__ import annotations
+
+import mpmath
+import pytest
+import torch
+
+from certify.lofast import _key_sensitivity, certified_lambda_max, sensitivity_matrix
+from certify.network import class_row_sensitivity
+from lipvit.spectral import eigvalsh_upper
+
+DT = torch.float64
+
+
+def _lambda_max_exact(K: torch.Tensor) -> mpmath.mpf:
+    """λ_max(KᵀK) in 60-digit arithmetic from the float64 entries of ``K``."""
+    with mpmath.workdps(60):
+        M = mpmath.matrix(K.tolist())
+        G = M.T * M
+        return max(mpmath.eigsy(G, eigvals_only=True))
+
+
+def _cases(n_cases: int = 12):
+    g = torch.Generator().manual_seed(0)
+    for i in range(n_cases):
+        m, n = 6 + i % 3, 5 + i % 4
+        # Nearly rank-one matrices with large entries: rounding matters most.
+        u = torch.randn(m, 1, generator=g, dtype=DT)
+        v = torch.randn(1, n, generator=g, dtype=DT)
+        yield 1e3 * (u @ v) + torch.randn(m, n, generator=g, dtype=DT)
+
+
+
+def test_eigvalsh_upper_is_above_the_exact_value():
+    for K in _cases():
+        m = K.shape[0]
+        G = K.T @ K
+        up = eigvalsh_upper(G, scale=K.pow(2).sum(), inner=m).item()
+        exact = _lambda_max_exact(K)
+        assert mpmath.mpf(up) >= exact
+        assert (mpmath.mpf(up) - exact) / exact < 1e-9  # and still tight
+
+
+def test_cholesky_certificate_is_above_the_exact_value():
+    for K in _cases():
+        G = K.T @ K
+        lam = torch.linalg.eigvalsh(G)[-1].item()
+        up = certified_lambda_max(G, lam, scale=float(K.pow(2).sum()),
+                                  inner=K.shape[0])
+        assert mpmath.mpf(up) >= _lambda_max_exact(K)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_zeta_and_zeta_cls_are_above_the_exact_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, H, N, D = 1, 2, 3, 4
+    P = torch.softmax(3 * torch.randn(B, H, N, N, generator=g, dtype=DT), -1)
+    W_v = torch.randn(H, D, 2, generator=g, dtype=DT)
+    W_o = torch.randn(H, 2, D, generator=g, dtype=DT)
+    zeta = _key_sensitivity(P, W_v, W_o, True, True, 100, 1e-9).value
+    K = sensitivity_matrix(P, W_v @ W_o, True)[0]  # (N·D, N·D)
+    assert mpmath.mpf(zeta.item()) ** 2 >= _lambda_max_exact(K)
+    W_vo = W_v @ W_o
+    cls = class_row_sensitivity(P, W_vo)
+    K_cls = torch.cat([sum(P[0, h, 0, n] * W_vo[h].T for h in range(H))
+                       for n in range(N)], dim=1)  # (D, N·D)
+    assert mpmath.mpf(cls.item()) ** 2 >= _lambda_max_exact(K_cls.T)
+
+
+def test_layer_project_identity_holds_in_exact_arithmetic():
+    from certify.local import layer_project_is_identity
+
+    g = torch.Generator().manual_seed(0)
+    R, wrong = 1.0, 0
+    for _ in range(300):
+        x = torch.randn(1, 1, 4, generator=g, dtype=DT)
+        x = 0.9 * x / torch.linalg.vector_norm(x)
+        eps = R - torch.linalg.vector_norm(x).item()  # ‖x‖ + ε = R in float
+        with mpmath.workdps(50):
+            exact = mpmath.sqrt(sum(mpmath.mpf(v) ** 2 for v in x.flatten().tolist()))
+            outside = exact + mpmath.mpf(eps) > R
+        wrong += bool(layer_project_is_identity(x, R, eps)) and outside
+    assert wrong == 0
