@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -166,6 +167,20 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
+def _one_line(err: BaseException) -> str:
+    """All of an error's lines joined (torch's state-dict errors put the reasons
+    on the lines after a heading that ends in a colon)."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    return " ".join(lines) if lines else type(err).__name__
+
+
+def _key_list(keys: list[str], show: int = 6) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - show} more" if len(keys) > show else ""
+    return ", ".join(keys[:show]) + more
+
+
 def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Checkpoint:
     """Read a checkpoint written by :func:`save_checkpoint`.
 
@@ -184,10 +199,14 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Check
     try:
         raw = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
         raise CheckpointError(
-            f"{path} is not a lipvit checkpoint (it holds objects the safe loader "
-            f"refuses: {_first_line(err)})"
-        ) from err
+            f"{path} was refused for safety: it holds Python objects{what} that a "
+            "lipvit checkpoint never contains, and rebuilding them could run code; "
+            "lipvit only reads tensors and plain data. Use a checkpoint written by "
+            "`lipvit train`"
+        ) from None
     except (
         RuntimeError,
         EOFError,
@@ -217,11 +236,17 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Check
     try:
         cfg = ViTConfig.from_dict(raw["model_config"])
         model = ViT(cfg).to(device)
-        model.load_state_dict(raw["state_dict"])
+        fit = model.load_state_dict(raw["state_dict"], strict=False)
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CheckpointError(
-            f"{path}: model configuration and weights do not fit: {_first_line(err)}"
+            f"{path}: model configuration and weights do not fit: {_one_line(err)}"
         ) from err
+    if fit.missing_keys or fit.unexpected_keys:
+        raise CheckpointError(
+            f"{path}: model configuration and weights do not fit: missing keys "
+            f"{_key_list(fit.missing_keys)}; unexpected keys "
+            f"{_key_list(fit.unexpected_keys)}"
+        )
     model.eval()
     return Checkpoint(
         path=path,

@@ -118,7 +118,9 @@ class _Payload:
 def test_pickled_objects_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "obj.pt"
     torch.save({"format": "lipvit-checkpoint", "x": _Payload()}, path)
-    _expect_error(path, "refuses")
+    message = _expect_error(path, "refused for safety")
+    assert "_Payload" in message
+    assert "weights_only" not in message and "trust" not in message
 
 
 def test_future_version(saved: Path, tmp_path: Path) -> None:
@@ -140,3 +142,19 @@ def test_weights_that_do_not_fit_the_config(saved: Path, tmp_path: Path) -> None
     raw["model_config"] = {"bogus": 1}
     torch.save(raw, bad)
     _expect_error(bad, "do not fit")
+
+
+def test_state_dict_mismatch_names_the_keys(saved: Path, tmp_path: Path) -> None:
+    raw = torch.load(saved, weights_only=True)
+    key = next(iter(raw["state_dict"]))
+    raw["state_dict"]["extra.weight"] = raw["state_dict"].pop(key)
+    bad = tmp_path / "keys.pt"
+    torch.save(raw, bad)
+    message = _expect_error(bad, "do not fit")
+    assert f"missing keys {key}" in message
+    assert "unexpected keys extra.weight" in message
+    raw = torch.load(saved, weights_only=True)
+    raw["state_dict"][key] = torch.zeros(1, 2, 3)
+    torch.save(raw, bad)
+    message = _expect_error(bad, "do not fit")
+    assert key in message and "size mismatch" in message

@@ -203,6 +203,18 @@ def parse_names(text: str | Sequence[str], choices: Iterable[str],
     return list(dict.fromkeys(names))
 
 
+def warn_large_eps(eps_list: Sequence[float], image_shape: Sequence[int]) -> None:
+    """Warn (stderr) about ε beyond the diameter ``√(C·S·S)`` of ``[0, 1]^(C×S×S)``:
+    such a ball contains every image, so the question is void."""
+    diameter = math.sqrt(math.prod(image_shape))
+    big = [e for e in eps_list if e > diameter]
+    if big:
+        click.echo(f"warning: eps {', '.join(f'{e:g}' for e in big)} exceeds the "
+                   f"diameter {diameter:.4g} of the image space [0,1]^"
+                   f"{'x'.join(map(str, image_shape))}: the ball holds every image",
+                   err=True)
+
+
 def format_eps(eps: float) -> str:
     """``0.03137 (8/255)`` for ε = k/255 with integer k ≤ 32; else ``0.03``."""
     k = eps * 255

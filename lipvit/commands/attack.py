@@ -209,6 +209,8 @@ def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
     ck = C.load_checkpoint(ckpt, device)
     data = C.load_test_set(ck, n=n, dataset=dataset, data_dir=data_dir, device=device)
     n_samples = int(data.y.shape[0])
+    if norm == "l2":  # an ℓ∞ ball of radius ≥ 1 holds every image; ℓ2: the diameter
+        C.warn_large_eps(eps_list, data.x.shape[1:])
     results = [robust_accuracy(ck.model, data.x, data.y, names, eps, norm,
                                progress=sys.stderr.isatty(), **settings)
                for eps in eps_list]

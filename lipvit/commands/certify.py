@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -38,6 +39,29 @@ def _radius_rows(report: CertifyReport, radii: list[float]) -> list[list]:
             ]
         )
     return rows
+
+
+def _radius_lines(report: CertifyReport, radius: bool, index) -> list[str]:
+    """After the table: the median radius (``--radius``) and, when nothing is
+    certified, the largest ε any point reaches and how to get radii."""
+    lines = []
+    if radius and report.radii:
+        medians = ", ".join(f"{m} {float(r.median()):.4g}"
+                            for m, r in report.radii.items())
+        lines.append(f"median certified radius: {medians}")
+    if report.radii and all(r.certified_accuracy == 0 for r in report.results):
+        method, r = max(report.radii.items(), key=lambda kv: float(kv[1].max()))
+        best = float(r.max())
+        if best > 0:
+            i = int(r.argmax())
+            lines.append(
+                f"nothing is certified at these eps; the largest eps any point "
+                f"reaches is {best:.4g} ({method}, test index {int(index[i])}): "
+                "use a smaller --eps, or --radius for every point's radius")
+        else:
+            lines.append("no point is certified at any eps (every margin is "
+                         "too small for the bound)")
+    return lines
 
 
 def _samples(report: CertifyReport, index) -> list[dict]:
@@ -130,9 +154,12 @@ def certify(
         loaded, n=n, dataset=dataset, data_dir=data_dir, device=device
     )
     x = data.x.to(torch.float64)
+    C.warn_large_eps(eps_list, x.shape[1:])
+    bar_format = "{l_bar}{bar}| {n:.1f}/{total_fmt} samples [{elapsed}<{remaining}]"
     with (
         cpu_threads(loaded.config, x.device),
-        tqdm(total=len(data.y), desc="certify", unit="sample", leave=False) as bar,
+        tqdm(total=len(data.y), desc="certify", bar_format=bar_format,
+             leave=False) as bar,
     ):
         report = certify_samples(
             model,
@@ -140,7 +167,7 @@ def certify(
             data.y,
             methods,
             eps_list,
-            radius=radius,
+            radius=True,  # cheap for the bound methods; shown with --radius
             radius_rtol=radius_tol,
             batch_size=batch_size,
             progress=bar.update,
@@ -165,6 +192,10 @@ def certify(
             ],
         )
     )
+    for line in _radius_lines(report, radius, data.index):
+        click.echo(line)
+    if not radius:
+        report = dataclasses.replace(report, radii={})
     if report.radii:
         click.echo("\ncertified radius (lower end of the bisection bracket):")
         click.echo(

@@ -225,16 +225,21 @@ def tightness(
         loaded, n=n, dataset=dataset, data_dir=data_dir, device=device
     )
     x = data.x.to(torch.float64)
+    C.warn_large_eps(eps, x.shape[1:])
     if not network and layer is None:
         layer = 0
     if not network and layer >= len(model.blocks):
         raise ValueError(
             f"--layer must be a block index in 0..{len(model.blocks) - 1}, got {layer}"
         )
-    bar = tqdm(desc="starting", leave=False, bar_format="tightness: {desc} ({elapsed})")
+    # PGD, one stage per ε, is most of the time: the percentage counts its stages.
+    bar = tqdm(desc="bounds", total=len(eps), leave=False,
+               bar_format="tightness: {percentage:3.0f}% {desc} ({elapsed})")
     with bar, cpu_threads(model.config, C.resolve_device(device), threads):
 
         def progress(stage: str) -> None:
+            if stage.startswith("pgd") and bar.desc.startswith("pgd"):
+                bar.update(1)  # the previous ε is done
             bar.set_description_str(stage)
 
         if network:
