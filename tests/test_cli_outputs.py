@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -94,3 +95,31 @@ def test_os_errors_are_one_line(tmp_path):
     r = CliRunner().invoke(main, ["info", str(tmp_path)])
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert len([ln for ln in r.output.splitlines() if ln.startswith("Error:")]) == 1
+
+
+def _all_commands():
+    from lipvit.commands import COMMANDS
+
+    for command in COMMANDS:
+        if isinstance(command, click.Group):
+            yield from command.commands.values()
+        else:
+            yield command
+
+
+def test_one_vocabulary_across_commands():
+    for command in _all_commands():
+        names = {opt for p in command.params for opt in getattr(p, "opts", [])}
+        visible = {opt for p in command.params if not getattr(p, "hidden", False)
+                   for opt in getattr(p, "opts", [])}
+        assert "--methods" not in visible, command.name
+        for p in command.params:
+            if "--device" in getattr(p, "opts", []):
+                assert p.default == "auto", command.name
+        help_text = CliRunner().invoke(main, [*_path(command), "--help"]).output
+        assert "None" not in help_text, (command.name, help_text)
+        assert names  # every command has options
+
+
+def _path(command) -> list[str]:
+    return ["plot", command.name] if command.name == "certified" else [command.name]

@@ -290,8 +290,8 @@ def test_command_files_agree_with_table(ckpt, tmp_path, target):
         ["--layer", "0", "--network"],
         ["--eps", "-0.1"],
         ["--eps", "nan"],
-        ["--methods", "lofast,bogus"],
-        ["--network", "--methods", "naive"],
+        ["--method", "lofast,bogus"],
+        ["--network", "--method", "naive"],
         ["--n", "0"],
     ],
 )

@@ -53,8 +53,8 @@ def ckpt_option(multiple: bool = False) -> Callable:
 
 
 device_option = click.option(
-    "--device", default="cpu", show_default=True,
-    help="torch device: cpu, cuda, cuda:N, or auto (cuda when available)")
+    "--device", default="auto", show_default=True,
+    help="torch device: auto (cuda when available, else cpu), cpu, cuda, cuda:N")
 n_option = click.option(
     "--n", "n", type=click.IntRange(min=1), default=None,
     help="use N test samples (a fixed seeded subsample; default: all)")

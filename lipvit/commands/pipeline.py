@@ -375,7 +375,7 @@ def build_plan(
             )
         )
     network_methods = (
-        ("--methods", "lofast,lofast-fast,specformer,crown") if crown else ()
+        ("--method", "lofast,lofast-fast,specformer,crown") if crown else ()
     )
     for key, extra, eps, (steps, restarts) in (
         ("layer", ("--layer", "0"), s.tightness_eps, s.tightness_pgd),

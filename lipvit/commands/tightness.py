@@ -135,6 +135,13 @@ def write_outputs(
 )
 @click.option(
     "--methods",
+    "methods_alias",
+    default=None,
+    hidden=True,
+    help="deprecated spelling of --method",
+)
+@click.option(
+    "--method",
     "methods_text",
     default=None,
     help="comma list of bounds (layer: naive, lofast-xi, lofast, lofast-half, "
@@ -180,6 +187,7 @@ def tightness(
     layer: int | None,
     network: bool,
     eps_text: str,
+    methods_alias: str | None,
     methods_text: str | None,
     residual: str,
     n: int,
@@ -209,6 +217,11 @@ def tightness(
 
     if network and layer is not None:
         raise ValueError("give either --layer or --network, not both")
+    if methods_alias is not None:
+        if methods_text is not None:
+            raise ValueError("give --method once (--methods is its old spelling)")
+        click.echo("warning: --methods is deprecated; use --method", err=True)
+        methods_text = methods_alias
     registry = NETWORK_METHODS if network else LAYER_METHODS
     defaults = DEFAULT_NETWORK_METHODS if network else DEFAULT_LAYER_METHODS
     eps = C.parse_floats(eps_text, "eps")
@@ -265,7 +278,7 @@ def tightness(
         click.echo(f"note: {note}")
     if not methods_text and crown_available():
         click.echo(
-            "note: crown is installed but slow; add it with --methods "
+            "note: crown is installed but slow; add it with --method "
             f"{','.join(defaults)}"
         )
     click.echo(

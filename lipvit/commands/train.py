@@ -24,8 +24,13 @@ FALLBACK_PRESET = "cifar-lofast-3x128"
 
 
 def _defaults_help(name: str) -> str:
+    """``1.0 (standard), 128.0 (lipschitz)``; ``off`` where a family sets none."""
     values = {fam: d.get(name) for fam, d in FAMILY_DEFAULTS.items()}
-    return ", ".join(f"{v} ({fam})" for fam, v in values.items())
+    if len(set(map(str, values.values()))) == 1:
+        value = next(iter(values.values()))
+        return "off" if value is None else str(value)
+    return ", ".join(f"{'off' if v is None else v} ({fam})"
+                     for fam, v in values.items())
 
 
 @click.command("train")
