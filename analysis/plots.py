@@ -117,29 +117,39 @@ def plot_certified_accuracy(
     styles = styles or {}
     fig, axes = new_figure()
     ax = axes[0, 0]
-    for label, (x, acc) in curves.items():
+    # Estimates first, dashed and underneath; sound curves solid and on top.
+    order = sorted(curves.items(), key=lambda kv: not is_estimate(kv[0]))
+    xs = []
+    for label, (x, acc) in order:
         x = np.asarray(x, dtype=float)
         acc = _vector(acc, x.size, f"certified accuracy of {label!r}")
+        xs.append(x)
+        shown = label + (" — 0 at every ε" if np.all(acc == 0) else "")
+        estimate = is_estimate(label)
+        kw = {"linewidth": 1.4 if estimate else 1.9, **styles.get(label, {}),
+              "zorder": 2 if estimate else 3}
+        kw["linestyle"] = "--" if estimate else kw.get("linestyle", "-")
+        if estimate:
+            kw["alpha"] = 0.8
         if step:
-            kw = {"linewidth": 1.8, **styles.get(label, {})}
             kw.pop("marker", None)
-            ax.step(x, acc, where="post", label=label, **kw)
+            ax.step(x, acc, where="post", label=shown, **kw)
         else:
-            kw = {"marker": "o", "markersize": 4, "linewidth": 1.8,
-                  **styles.get(label, {})}
-            ax.plot(x, acc, label=label, **kw)
+            kw = {"marker": "o", "markersize": 4, **kw}
+            ax.plot(x, acc, label=shown, **kw)
     for label, (x, acc) in (empirical or {}).items():
         x = np.asarray(x, dtype=float)
         acc = _vector(acc, x.size, f"robust accuracy of {label!r}")
-        kw = {"linestyle": "--", "marker": "x", "markersize": 5, "linewidth": 1.4,
-              "alpha": 0.9, **styles.get(label, {})}
+        xs.append(x)
+        kw = {"linestyle": "--", "marker": "x", "markersize": 5, "linewidth": 1.2,
+              "alpha": 0.9, "zorder": 1, **styles.get(label, {})}
         ax.plot(x, acc, label=label, **kw)
+    _fit_x(ax, np.concatenate(xs), log=not step)
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.set_ylim(0, 1.02)
-    ax.set_xlim(left=0)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small", loc="best")
     if title:
         ax.set_title(title)
@@ -261,6 +271,23 @@ def plot_certification_gap(
     return _finish(fig, path, pdf)
 
 
+def is_estimate(label: str) -> bool:
+    """A curve labelled as an estimate (not a certificate): drawn dashed, below."""
+    return "estimate" in label
+
+
+def _fit_x(ax, x: np.ndarray, log: bool) -> None:
+    """Log x where the positive values span a decade or more; limits fitted."""
+    pos = x[np.isfinite(x) & (x > 0)]
+    if pos.size == 0:
+        return
+    if log and spans_decades(pos, decades=1.0):
+        ax.set_xscale("log")
+        ax.set_xlim(pos.min() / 1.4, pos.max() * 1.4)
+    else:
+        ax.set_xlim(0, pos.max() * 1.05)
+
+
 def plot_tightness(
     eps: ArrayLike,
     bounds: Mapping[str, Band],
@@ -294,36 +321,72 @@ def plot_tightness(
                            else None)
     ax = axes[0, 0]
     means = {}
-    for name, band in bounds.items():
+    # Estimates dashed and underneath; sound bounds solid and on top.
+    for name, band in sorted(bounds.items(), key=lambda kv: not is_estimate(kv[0])):
         mean, lo, hi = (_vector(a, eps.size, f"bound {name!r}") for a in band)
-        (line,) = ax.plot(eps, mean, marker="o", markersize=4, label=name)
+        estimate = is_estimate(name)
+        (line,) = ax.plot(eps, mean, marker="o", markersize=4, label=name,
+                          linestyle="--" if estimate else "-",
+                          linewidth=1.3 if estimate else 1.8,
+                          zorder=2 if estimate else 3)
         ax.fill_between(eps, lo, hi, color=line.get_color(), alpha=0.18, linewidth=0)
-        means[name] = (mean, line.get_color())
+        means[name] = (mean, line.get_color(), line.get_linestyle())
     if pgd is not None:
         p_mean, p_lo, p_hi = (_vector(a, eps.size, "pgd") for a in pgd)
         ax.plot(eps, p_mean, color="black", linestyle="--", marker="s", markersize=3,
-                label="PGD (lower bound)")
+                label="PGD (lower bound)", zorder=4)
         ax.fill_between(eps, p_lo, p_hi, color="black", alpha=0.12, linewidth=0)
     ax.set_yscale("log")
+    if spans_decades(eps, decades=1.0):
+        ax.set_xscale("log")
     ax.set_ylabel(y_label)
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize="small", loc="best")
     if title:
         ax.set_title(title)
     if ratio:
-        rax = axes[1, 0]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            for name, (mean, color) in means.items():
-                rax.plot(eps, mean / p_mean, marker="o", markersize=4, color=color,
-                         label=name)
-        rax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-        rax.set_yscale("log")
-        rax.set_ylabel("bound / PGD")
-        rax.grid(True, which="both", alpha=0.25)
-        rax.set_xlabel(x_label)
+        _ratio_panel(axes[1, 0], eps, means, p_mean)
+        axes[1, 0].set_xlabel(x_label)
     else:
         ax.set_xlabel(x_label)
     return _finish(fig, path, pdf)
+
+
+RATIO_CLIP = 30.0
+"""Upper end of the ratio panel: tightness factors beyond it are off the scale
+(annotated), so that factors such as 1× and 8× stay distinguishable."""
+
+
+def _ratio_panel(rax, eps: np.ndarray, means: Mapping[str, tuple],
+                 p_mean: np.ndarray) -> None:
+    """``bound / PGD`` per ε, clipped to ``[~1, RATIO_CLIP]``; off-scale methods
+    are named with their range in the panel."""
+    off, shown = [], []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for name, (mean, color, style) in means.items():
+            r = mean / p_mean
+            finite = r[np.isfinite(r)]
+            if finite.size and finite.min() > RATIO_CLIP:
+                off.append(f"{name}: {finite.min():.3g}–{finite.max():.3g}×")
+                continue
+            if finite.size and finite.max() > RATIO_CLIP:
+                off.append(f"{name}: up to {finite.max():.3g}×")
+            rax.plot(eps, np.minimum(r, RATIO_CLIP), marker="o", markersize=4,
+                     color=color, linestyle=style, label=name)
+            shown.append(finite)
+    values = np.concatenate(shown) if shown else np.array([1.0])
+    top = min(RATIO_CLIP, max(1.1, values.max() * 1.1))
+    bottom = min(0.95, values.min() * 0.95)
+    rax.axhline(1.0, color="black", linestyle=":", linewidth=1)
+    if top / bottom >= 10:
+        rax.set_yscale("log")
+    rax.set_ylim(bottom, top)
+    rax.set_ylabel("bound / PGD")
+    rax.grid(True, which="both", alpha=0.25)
+    if off:
+        rax.text(0.01, 0.97, "off scale: " + "; ".join(off), transform=rax.transAxes,
+                 va="top", ha="left", fontsize="small",
+                 bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0})
 
 
 def plot_spectra(
@@ -401,6 +464,7 @@ def plot_jacobian_violin(
     y_label: str = "σ_max of the block Jacobian",
     log: bool | None = None,
     title: str | None = None,
+    styles: Mapping[str, Mapping[str, Any]] | None = None,
     path: PathLike | None = None,
     pdf: bool = False,
 ) -> Figure:
@@ -413,10 +477,13 @@ def plot_jacobian_violin(
         log: log y; ``None`` when values span decades. On a log axis the
             densities are estimated on ``log10`` of the values, so the shapes
             are true densities of the plotted scale.
+        styles: series label → ``{"color": ..., "hatch": ...}`` (e.g. one colour
+            per model, one hatch per estimator); default one colour per series.
         path, pdf: where to save.
     """
     if not series:
         raise ValueError("nothing to plot: no data given")
+    styles = styles or {}
     first = next(iter(series.values()))
     if not isinstance(first, Mapping):
         series = {"": series}  # type: ignore[dict-item]
@@ -436,7 +503,8 @@ def plot_jacobian_violin(
     width = 0.8 / n_series
     handles = []
     for k, (label, per) in enumerate(data.items()):
-        color = f"C{k}"
+        color = styles.get(label, {}).get("color", f"C{k}")
+        hatch = styles.get(label, {}).get("hatch")
         pos = [blocks.index(b) + (k - (n_series - 1) / 2) * width for b in per]
         raw = list(per.values())
         stats = cbook.violin_stats([np.log10(v) for v in raw] if use_log else raw, _kde)
@@ -450,11 +518,13 @@ def plot_jacobian_violin(
             body.set_facecolor(color)
             body.set_edgecolor(color)
             body.set_alpha(0.45)
+            body.set_hatch(hatch)
         for key in ("cmedians", "cmins", "cmaxes", "cbars"):
             if key in parts:
                 parts[key].set_color(color)
         if label:
-            handles.append(Patch(facecolor=color, alpha=0.45, label=label))
+            handles.append(Patch(facecolor=color, edgecolor=color, alpha=0.45,
+                                 hatch=hatch, label=label))
     if use_log:
         ax.set_yscale("log")
     ax.set_xticks(range(len(blocks)))

@@ -332,6 +332,35 @@ def norm1_is_identity(model: ViT, X: Tensor, layer: int, eps: float) -> bool:
     return bool((norms + eps <= norm1.radius).all())
 
 
+UNIFORM_SPREAD = 0.01
+"""Largest spread ``max − min`` of a softmax row's logits below which attention is
+called uniform (every probability within a factor ``e^0.01`` of ``1/N``)."""
+
+
+def uniform_attention_note(Z: Tensor, W_q: Tensor, W_k: Tensor) -> str | None:
+    """A note when the attention at the inputs ``Z`` ``(B, N, D)`` is uniform.
+
+    There the softmax does not move, LoFAST's δ2 is about 0 and every LoFAST
+    variant equals the exact ζε: a tightness of 1.00× is then degenerate and
+    says nothing about how tight the δ2 terms are.
+    """
+    from certify.attention import attention_logits, query_key
+
+    with torch.no_grad():
+        logits = attention_logits(Z.double(), W_q.double(), W_k.double())
+    spread = float((logits.amax(-1) - logits.amin(-1)).max())
+    if spread >= UNIFORM_SPREAD:
+        return None
+    qk = float(torch.linalg.matrix_norm(query_key(W_q, W_k).double(), ord=2).max())
+    return (
+        f"degenerate layer: the attention is uniform at these inputs (largest "
+        f"logit spread {spread:.2g} < {UNIFORM_SPREAD}, max_h ‖W_q W_kᵀ‖ = "
+        f"{qk:.2g}), so δ2 ≈ 0 and every LoFAST variant equals ζε; a ratio of "
+        "1.00× here says nothing about the δ2 terms (see a model whose attention "
+        "is not uniform, e.g. one trained with --msvp 0)"
+    )
+
+
 def _attention_weights(block) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b = block.attn.head_biases()
     for bias in (b.b_q, b.b_k):
@@ -509,6 +538,9 @@ def layer_tightness(
     with torch.no_grad():
         Z = block.norm1(X)  # (B, N, D): the attention's real input
     notes: list[str] = []
+    degenerate = uniform_attention_note(Z, W[0], W[1])
+    if degenerate:
+        notes.append(degenerate)
     identity = norm1_is_identity(model, X, layer, float(eps_arr.max()))
     if residual == "auto":
         res = identity

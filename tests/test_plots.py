@@ -31,7 +31,24 @@ def test_certified_accuracy_series_and_labels(tmp_path):
     assert lines[2].get_linestyle() == "--"  # the empirical ceiling is dashed
     assert ax.get_xlabel() == "ε (ℓ2)" and ax.get_ylabel() == "accuracy"
     assert ax.get_ylim() == (0.0, 1.02) and ax.get_title() == "t"
+    assert ax.get_xscale() == "log"  # ε spans a decade
+    lo, hi = ax.get_xlim()
+    assert 0.005 < lo < 0.01 and 0.1 < hi < 0.2  # fitted to the data
     assert not list(tmp_path.iterdir())  # nothing saved without a path
+
+
+def test_certified_accuracy_estimates_dashed_below_and_zero_curves_named():
+    curves = {"lofast": (EPS, [0.9, 0.8, 0.5, 0.2]),
+              "lofast-fast (estimate)": (EPS, [0.9, 0.8, 0.5, 0.2]),
+              "specformer": (EPS, [0.0, 0.0, 0.0, 0.0])}
+    ax = P.plot_certified_accuracy(curves).axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    sound, estimate = lines["lofast"], lines["lofast-fast (estimate)"]
+    assert sound.get_linestyle() == "-" and estimate.get_linestyle() == "--"
+    assert sound.get_zorder() > estimate.get_zorder()  # the certificate on top
+    assert "specformer — 0 at every ε" in _legend(ax)
+    linear = P.plot_certified_accuracy({"a": ([0.01, 0.02], [0.5, 0.4])}).axes[0]
+    assert linear.get_xscale() == "linear" and linear.get_xlim()[1] < 0.03
 
 
 def test_certified_accuracy_steps_and_styles():
@@ -57,13 +74,21 @@ def test_tightness_log_scale_and_ratio():
     bounds = {"naive": _band(100 * EPS), "LoFAST": _band(1.05 * EPS)}
     fig = P.plot_tightness(EPS, bounds, _band(EPS))
     top, bottom = fig.axes
-    assert top.get_yscale() == "log" and bottom.get_yscale() == "log"
+    assert top.get_yscale() == "log" and top.get_xscale() == "log"
     assert _legend(top) == ["naive", "LoFAST", "PGD (lower bound)"]
     assert len(top.collections) == 3  # one shaded band per series
     ratios = {ln.get_label(): ln.get_ydata() for ln in bottom.get_lines()
               if not ln.get_label().startswith("_")}
-    np.testing.assert_allclose(ratios["naive"], 100.0)
+    # The ratio panel is clipped to the range of interest: naive (100×) is
+    # named off the scale, LoFAST's 1.05× is readable on a linear axis.
+    assert "naive" not in ratios
+    assert any("off scale: naive: 100–100×" in t.get_text() for t in bottom.texts)
     np.testing.assert_allclose(ratios["LoFAST"], 1.05)
+    assert bottom.get_yscale() == "linear" and bottom.get_ylim()[1] < 1.2
+    mid = P.plot_tightness(EPS, {"a": _band(8 * EPS), "b": _band(1.01 * EPS)},
+                           _band(EPS)).axes[1]
+    assert {ln.get_label() for ln in mid.get_lines()} >= {"a", "b"}
+    assert mid.get_ylim()[1] < P.RATIO_CLIP
     assert bottom.get_ylabel() == "bound / PGD" and bottom.get_xlabel() == "ε (ℓ2)"
     single = P.plot_tightness(EPS, bounds, None)
     assert len(single.axes) == 1 and single.axes[0].get_yscale() == "log"

@@ -377,20 +377,28 @@ def build_plan(
     network_methods = (
         ("--method", "lofast,lofast-fast,specformer,crown") if crown else ()
     )
-    for key, extra, eps, (steps, restarts) in (
-        ("layer", ("--layer", "0"), s.tightness_eps, s.tightness_pgd),
+    vanilla = plan.model("vanilla")
+    for key, ckpt, extra, eps, (steps, restarts) in (
+        ("layer", lip, ("--layer", "0"), s.tightness_eps, s.tightness_pgd),
         (
             "layer-residual",
+            lip,
             ("--layer", "0", "--residual", "on"),
             s.tightness_eps,
             s.tightness_pgd,
         ),
-        ("network", ("--network", *network_methods), s.network_eps, s.network_pgd),
+        # MSVP makes the lipschitz model's attention uniform (a degenerate
+        # layer); the vanilla model's is not.
+        ("layer-vanilla", vanilla, ("--layer", "0"), s.tightness_eps,
+         s.tightness_pgd),
+        ("network", lip, ("--network", *network_methods), s.network_eps,
+         s.network_pgd),
     ):
         d = out / "tightness" / key
+        name = "vanilla" if ckpt == vanilla else "lipschitz"
         args = (
             "--ckpt",
-            str(lip),
+            str(ckpt),
             *extra,
             "--eps",
             eps,
@@ -408,15 +416,15 @@ def build_plan(
         add(
             Step(
                 f"tightness/{key}",
-                f"tightness ({key}) of lipschitz",
+                f"tightness ({key}) of {name}",
                 tightness,
                 args,
                 tuple(tightness_paths(d)),
-                inputs=(lip,),
+                inputs=(ckpt,),
             )
         )
     d = out / "spectrum"
-    vanilla, msvp = plan.model("vanilla"), plan.model("msvp")
+    msvp = plan.model("msvp")
     args = (
         "--ckpt",
         str(vanilla),
