@@ -22,7 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import PercentFormatter
+from matplotlib.ticker import NullFormatter, PercentFormatter
 
 ArrayLike = Sequence[float] | np.ndarray
 Band = tuple[ArrayLike, ArrayLike, ArrayLike]  # (mean, lo, hi)
@@ -284,6 +284,7 @@ def _fit_x(ax, x: np.ndarray, log: bool) -> None:
     if log and spans_decades(pos, decades=1.0):
         ax.set_xscale("log")
         ax.set_xlim(pos.min() / 1.4, pos.max() * 1.4)
+        ax.xaxis.set_minor_formatter(NullFormatter())  # labels only at decades
     else:
         ax.set_xlim(0, pos.max() * 1.05)
 
@@ -339,6 +340,7 @@ def plot_tightness(
     ax.set_yscale("log")
     if spans_decades(eps, decades=1.0):
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_ylabel(y_label)
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize="small", loc="best")
@@ -375,7 +377,7 @@ def _ratio_panel(rax, eps: np.ndarray, means: Mapping[str, tuple],
                      color=color, linestyle=style, label=name)
             shown.append(finite)
     values = np.concatenate(shown) if shown else np.array([1.0])
-    top = min(RATIO_CLIP, max(1.1, values.max() * 1.1))
+    top = min(RATIO_CLIP, max(1.1, values.max() * 1.25))
     bottom = min(0.95, values.min() * 0.95)
     rax.axhline(1.0, color="black", linestyle=":", linewidth=1)
     if top / bottom >= 10:
@@ -383,10 +385,8 @@ def _ratio_panel(rax, eps: np.ndarray, means: Mapping[str, tuple],
     rax.set_ylim(bottom, top)
     rax.set_ylabel("bound / PGD")
     rax.grid(True, which="both", alpha=0.25)
-    if off:
-        rax.text(0.01, 0.97, "off scale: " + "; ".join(off), transform=rax.transAxes,
-                 va="top", ha="left", fontsize="small",
-                 bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0})
+    if off:  # above the panel, clear of the curves
+        rax.set_title("off scale: " + "; ".join(off), loc="left", fontsize="small")
 
 
 def plot_spectra(

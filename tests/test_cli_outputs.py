@@ -48,7 +48,7 @@ def _bad_outputs(tmp: Path, kind: str, suffix: str) -> dict[str, tuple[Path, str
         cases["directory"] = (a_dir, "is a directory")
         existing = tmp / f"exists{suffix}"
         existing.write_text("{}")
-        cases["exists, no --force"] = (existing, "--force")
+        cases["exists, no --force"] = (existing, "--force")  # train: or --resume
     else:
         cases["a file"] = (a_file, "is a file")
     return cases

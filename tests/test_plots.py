@@ -82,9 +82,9 @@ def test_tightness_log_scale_and_ratio():
     # The ratio panel is clipped to the range of interest: naive (100×) is
     # named off the scale, LoFAST's 1.05× is readable on a linear axis.
     assert "naive" not in ratios
-    assert any("off scale: naive: 100–100×" in t.get_text() for t in bottom.texts)
+    assert "off scale: naive: 100–100×" in bottom.get_title(loc="left")
     np.testing.assert_allclose(ratios["LoFAST"], 1.05)
-    assert bottom.get_yscale() == "linear" and bottom.get_ylim()[1] < 1.2
+    assert bottom.get_yscale() == "linear" and bottom.get_ylim()[1] < 1.4
     mid = P.plot_tightness(EPS, {"a": _band(8 * EPS), "b": _band(1.01 * EPS)},
                            _band(EPS)).axes[1]
     assert {ln.get_label() for ln in mid.get_lines()} >= {"a", "b"}

@@ -148,7 +148,7 @@ def write_outputs(
     n = next(iter(results.values())).jacobian.sigma.shape[1]
     vfig = plot_jacobian_violin(
         violins,
-        y_label="norm of J_F, F = block − identity (estimator in the legend)",
+        y_label="‖J_F‖ per estimator (legend), F = block − id",
         title=f"block Jacobians at {n} test inputs",
         styles=styles,
     )

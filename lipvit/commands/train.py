@@ -11,6 +11,7 @@ import click
 from lipvit.commands import _common as C
 from lipvit.config import ATTENTIONS, PRESETS, preset
 from lipvit.data import DATASETS, load_dataset
+from lipvit.errors import LipvitError
 from lipvit.train import FAMILY_DEFAULTS, summary_path, train, train_config_for
 
 DEFAULT_PRESET = {
@@ -259,7 +260,12 @@ def train_command(
         "conv_kernel",
     )
     if out.suffix != ".json":  # (a .json --out is refused by `train` itself)
-        C.check_writable([out, summary_path(out)], force=force or resume)
+        outputs = [out, summary_path(out)]
+        C.check_writable(outputs, force=True)  # directories and parents
+        existing = [p for p in outputs if p.exists()]
+        if existing and not (resume or force):
+            raise LipvitError(f"{existing[0]} exists; pass --resume to continue that "
+                              "run or --force to overwrite it")
     size = {k: options.pop(k) for k in size_keys if options.get(k) is not None}
     for k in size_keys:
         options.pop(k, None)
