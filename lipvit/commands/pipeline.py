@@ -192,7 +192,7 @@ def build_plan(
     *,
     dataset: str = "digits",
     data_dir: Path | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     crown: bool = False,
     threads: int = 0,
 ) -> Plan:
