@@ -26,6 +26,7 @@ def _commands(ckpt: str, result: str) -> dict[str, tuple[list[str], list[str], s
         "attack": (["attack", "--ckpt", ckpt, "--eps", "0.1"], ["--json", "--csv"],
                    "file"),
         "plot": (["plot", "certified", result], ["--out"], "file"),
+        "plot gap": (["plot", "gap", result, result], ["--out"], "file"),
         "tightness": (["tightness", "--ckpt", ckpt, "--eps", "0.1"], ["--out"], "dir"),
         "spectrum": (["spectrum", "--ckpt", ckpt], ["--out"], "dir"),
         "features": (["features", "--ckpt", ckpt], ["--out"], "dir"),
@@ -58,7 +59,8 @@ def sweep(tmp: Path):
     """Yield (command, input, option, exit code, output) for every bad output."""
     ckpt, result = str(tmp / "missing.pt"), str(tmp / "missing.json")
     for command, (args, options, kind) in _commands(ckpt, result).items():
-        suffix = {"train": ".pt", "plot": ".png"}.get(command, ".json")
+        suffix = {"train": ".pt", "plot": ".png", "plot gap": ".png"}.get(command,
+                                                                          ".json")
         for case, (path, phrase) in _bad_outputs(tmp, kind, suffix).items():
             for option in options:
                 r = CliRunner().invoke(main, [*args, option, str(path)])
@@ -77,7 +79,7 @@ def test_every_command_refuses_bad_outputs_before_work(tmp_path):
         assert phrase in errors[0], where
         assert "missing" not in errors[0], where  # the output was checked first
         seen.add(command)
-    assert len(seen) == 8
+    assert len(seen) == 9
 
 
 @pytest.mark.parametrize("argv", [
