@@ -538,9 +538,6 @@ def layer_tightness(
     with torch.no_grad():
         Z = block.norm1(X)  # (B, N, D): the attention's real input
     notes: list[str] = []
-    degenerate = uniform_attention_note(Z, W[0], W[1])
-    if degenerate:
-        notes.append(degenerate)
     identity = norm1_is_identity(model, X, layer, float(eps_arr.max()))
     if residual == "auto":
         res = identity
@@ -563,6 +560,9 @@ def layer_tightness(
             )
     else:
         raise ValueError(f"residual must be 'auto', True or False, got {residual!r}")
+    degenerate = uniform_attention_note(Z, W[0], W[1])
+    if degenerate:
+        notes.append(degenerate)
     norm1 = type(block.norm1).__name__
     description = (
         f"block {layer} attention F(Z) = {'Z + ' if res else ''}attn(Z) at "

@@ -85,7 +85,7 @@ def certify_samples(
     eps_list: Sequence[float],
     *,
     radius: bool = False,
-    radius_rtol: float = 1e-3,
+    radius_tol: float = 1e-3,
     batch_size: int = 64,
     progress=None,
 ) -> CertifyReport:
@@ -96,7 +96,7 @@ def certify_samples(
         methods: names from :data:`ALL_METHODS`.
         eps_list: ℓ2 budgets in image space.
         radius: also compute per-sample certified radii for the bound methods.
-        radius_rtol: relative bisection tolerance of the radii (the lower end,
+        radius_tol: *relative* bisection tolerance of the radii (the lower end,
             a certified value, is reported); a radius is consistent with the
             per-ε results: ``≥ ε`` exactly where the point is certified at ε.
         batch_size: samples per batch.
@@ -153,7 +153,7 @@ def certify_samples(
                 decided.append((eps, ok))
             if radius:
                 radii.setdefault(method, []).append(
-                    certified_radius(m, bound.delta_out, rtol=radius_rtol,
+                    certified_radius(m, bound.delta_out, rtol=radius_tol,
                                      certified_at=decided)
                 )
             advance(sl.stop - sl.start)

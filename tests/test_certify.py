@@ -140,7 +140,7 @@ def test_radii_agree_with_per_eps_certificates(trained, digits):
                                                             dtype=pos.dtype))]
     rtol = 1e-3
     report = certify_samples(model, x, y, ["lofast"], eps_list, radius=True,
-                             radius_rtol=rtol)
+                             radius_tol=rtol)
     r = report.radii["lofast"]
     for eps in eps_list:
         cert = report.certified[f"lofast@{eps}"]

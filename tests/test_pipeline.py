@@ -134,9 +134,11 @@ def test_changed_settings_are_refused_before_any_work(run_dir):
     assert "other settings" in errors[0] and "--force" in errors[0]
     assert "train/vanilla" in errors[0] and "--epochs 2" in errors[0]
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == mtimes
-    # The full-size plan differs from the fast one in every step's settings.
+    # The full-size plan differs from the fast one in every step's settings
+    # but the plots' (same command line; they are redone when their inputs are).
     full = build_plan(out, Settings())
-    assert all(step.stale() for step in full.steps)
+    stale = {step.key for step in full.steps if step.stale()}
+    assert stale == {step.key for step in full.steps if not step.key.startswith("plot")}
 
 
 @pytest.mark.parametrize(

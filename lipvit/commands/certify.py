@@ -168,7 +168,7 @@ def certify(
             methods,
             eps_list,
             radius=True,  # cheap for the bound methods; shown with --radius
-            radius_rtol=radius_tol,
+            radius_tol=radius_tol,
             batch_size=batch_size,
             progress=bar.update,
         )
