@@ -87,12 +87,16 @@ from certify.attention import (
     query_key,
     value_output,
 )
+from certify.structured import lemma2_structured_bound, zeta_certificate
 from lipvit.spectral import power_iteration, spectral_norm
 
 Op = Callable[[Tensor], Tensor]
 
 EIGVALSH_MAX_N = 256
-"""Largest Gram size solved by ``eigvalsh``; above it, the Cholesky certificate."""
+"""Largest Gram size solved by ``eigvalsh``; above it, the structured certificates."""
+STRUCTURED_RTOL = 1e-4
+"""ζ's structured certificate is kept where it is within this relative distance of
+its Ritz value (a lower estimate of ζ); elsewhere the Cholesky certificate runs."""
 
 
 @dataclass(frozen=True)
@@ -157,19 +161,20 @@ def sensitivity_matvec(
     """``A(Γ) = H Γ + Σ_h P_h Γ W_v[h] W_o[h]``, the linear term Δ1 of eq. (10).
 
     Args:
-        Gamma: ``(B, N, D)``.
-        P: attention matrices ``(B, H, N, N)``.
+        Gamma: ``(*lead, N, D)``.
+        P: attention matrices ``(*lead, H, N, N)`` (broadcastable: e.g.
+            ``(B, 1, H, N, N)`` against ``Γ`` ``(B, K, N, D)``).
         W_v: ``(H, D, d)``; W_o: ``(H, d, D)``.
         residual: ``H = I`` if true, else ``H = 0``.
 
     Returns:
-        ``(B, N, D)``.
+        ``(*lead, N, D)``.
     """
     H, D, d = W_v.shape
-    B, N, _ = Gamma.shape
-    GV = (Gamma @ W_v.transpose(0, 1).reshape(D, H * d)).reshape(B, N, H, d)
-    PGV = P @ GV.transpose(1, 2)  # (B, H, N, d) = P_h Γ W_v[h]
-    out = PGV.transpose(1, 2).reshape(B, N, H * d) @ W_o.reshape(H * d, D)  # (B, N, D)
+    *lead, N, _ = Gamma.shape
+    GV = (Gamma @ W_v.transpose(0, 1).reshape(D, H * d)).reshape(*lead, N, H, d)
+    PGV = P @ GV.transpose(-3, -2)  # (*lead, H, N, d) = P_h Γ W_v[h]
+    out = PGV.transpose(-3, -2).reshape(*lead, N, H * d) @ W_o.reshape(H * d, D)
     return out + Gamma if residual else out
 
 
@@ -178,11 +183,11 @@ def sensitivity_rmatvec(
 ) -> Tensor:
     """Adjoint ``A*(Y) = Hᵀ Y + Σ_h P_hᵀ Y W_o[h]ᵀ W_v[h]ᵀ`` of the above."""
     H, D, d = W_v.shape
-    B, N, _ = Y.shape
-    YO = (Y @ W_o.reshape(H * d, D).T).reshape(B, N, H, d)  # Y W_o[h]ᵀ
-    PYO = P.transpose(-1, -2) @ YO.transpose(1, 2)  # (B, H, N, d)
+    *lead, N, _ = Y.shape
+    YO = (Y @ W_o.reshape(H * d, D).T).reshape(*lead, N, H, d)  # Y W_o[h]ᵀ
+    PYO = P.transpose(-1, -2) @ YO.transpose(-3, -2)  # (*lead, H, N, d)
     W_v_cat = W_v.transpose(0, 1).reshape(D, H * d)  # (D, H·d) = [W_v[1] … W_v[H]]
-    out = PYO.transpose(1, 2).reshape(B, N, H * d) @ W_v_cat.T  # (B, N, D)
+    out = PYO.transpose(-3, -2).reshape(*lead, N, H * d) @ W_v_cat.T  # (*lead, N, D)
     return out + Y if residual else out
 
 
@@ -433,7 +438,7 @@ def _method(n: int, exact: bool) -> str:
         return "power iteration (estimate)"
     if n <= EIGVALSH_MAX_N:
         return f"dense eigvalsh (Gram size {n})"
-    return f"power iteration + Cholesky certificate (Gram size {n})"
+    return f"structured certificate (Gram size {n})"
 
 
 # --------------------------------------------------------------------------
@@ -453,16 +458,41 @@ def _key_sensitivity(
     if exact and n <= EIGVALSH_MAX_N:
         gram = sensitivity_gram(P, value_output(W_v, W_o), residual)  # (B, n, n)
         return NormBound(_dense_sigma(gram), method, True)
+    if exact:
+        return _certified_zeta(P, W_v, W_o, residual)
     est = _estimate(lambda G: sensitivity_matvec(G, P, W_v, W_o, residual),
                     lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
                     _start((B, N, D), P), n_iter, tol)
-    if not exact:
-        return NormBound(est.sigma, method, False)
+    return NormBound(est.sigma, method, False)
+
+
+def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> NormBound:
+    """ζ upper bound ``(B,)``: the structured certificate, Cholesky where it is loose.
+
+    :func:`certify.structured.zeta_certificate` (docs/structured-certificates.md
+    §4) for every sample; samples whose certificate exceeds its Ritz value
+    (≤ ζ) by more than :data:`STRUCTURED_RTOL` get the dense Cholesky
+    certificate too (:func:`certified_lambda_max`), and keep the smaller.
+    """
+    B, H, N, _ = P.shape
+    n = N * W_v.shape[1]
+    cert = zeta_certificate(P, W_v, W_o, residual)
+    loose = (cert.upper > cert.ritz * (1 + STRUCTURED_RTOL)).nonzero().flatten()
+    value = cert.upper.clone()
     W_vo = value_output(W_v, W_o)  # (H, D, D)
-    values = [_certified_sigma(sensitivity_gram(P[b:b + 1], W_vo, residual),  # (1,n,n)
-                               _Estimate(est.sigma[b:b + 1], est.residual[b:b + 1]))
-              for b in range(B)]  # one (N·D)² Gram matrix at a time
-    return NormBound(torch.cat(values), method, True)
+    if len(loose):
+        Pl = P[loose]  # (L, H, N, N)
+        est = _estimate(lambda G: sensitivity_matvec(G, Pl, W_v, W_o, residual),
+                        lambda Y: sensitivity_rmatvec(Y, Pl, W_v, W_o, residual),
+                        _start((len(loose), N, W_v.shape[1]), P), 1000, 1e-10)
+    for i, b in enumerate(loose.tolist()):  # one (N·D)² Gram matrix at a time
+        gram = sensitivity_gram(P[b:b + 1], W_vo, residual)  # (1, n, n)
+        start = _Estimate(torch.maximum(est.sigma[i:i + 1], cert.ritz[b:b + 1]),
+                          est.residual[i:i + 1])
+        value[b] = torch.minimum(value[b], _certified_sigma(gram, start)[0])
+    method = (f"structured subspace certificate (Gram size {n}), Cholesky "
+              f"fallback on {len(loose)} of {B}")
+    return NormBound(value, method, True)
 
 
 def key_sensitivity(
@@ -511,14 +541,13 @@ def _lemma2_norm(
     method = _method(n, exact)
     if exact and n <= EIGVALSH_MAX_N:
         return NormBound(_dense_sigma(lemma2_gram(C, E)), method, True)
+    if exact:  # docs/structured-certificates.md §5
+        return NormBound(lemma2_structured_bound(X, W_q, W_k),
+                         f"structured bound √(λ_max(CᵀC+EᵀE)+2‖C‖‖E‖) (Gram size {n})",
+                         True)
     est = _estimate(lambda G: lemma2_op(G, C, E), lambda Y: lemma2_op_adjoint(Y, C, E),
                     _start(C.shape, X), n_iter, tol)
-    if not exact:
-        return NormBound(est.sigma, method, False)
-    values = [_certified_sigma(lemma2_gram(C[b], E[b]),  # (H, n, n)
-                               _Estimate(est.sigma[b], est.residual[b]))
-              for b in range(B)]
-    return NormBound(torch.stack(values), method, True)
+    return NormBound(est.sigma, method, False)
 
 
 def lemma2_norm(
