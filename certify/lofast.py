@@ -44,24 +44,20 @@ Exact versus estimated norms. ζ is the largest singular value of an
 Gram matrices aside):
 
 * Gram size ``n ≤ EIGVALSH_MAX_N`` (256): dense Gram matrix, ``eigvalsh``.
-* larger: a matrix-free power-iteration estimate ``σ_est`` (from below), then a
-  certificate ``λ_max(G) ≤ μ = σ_est²(1 + τ)`` proved by a successful Cholesky
-  factorisation of ``μ I − G`` shifted by a Rump-type rounding margin
-  (:func:`certified_lambda_max`); ``τ`` starts at ``max(1e-7, 2r)``, ``r`` the
-  relative eigen-residual of the estimate, and grows tenfold until the
-  factorisation succeeds (``eigvalsh`` if ``τ`` would exceed 0.1). The
-  iteration budget only affects tightness (``τ``) and time, never soundness.
-  A Cholesky costs ``n³/3`` flops, BLAS-3; ``eigvalsh`` (tridiagonalisation)
-  was 10-40× slower on the 2-core development machine (n = 2080: 0.45 s vs
-  6 s; n = 8320, ζ of the LoFAST 128-wide layer: 16 s vs minutes), so the
-  crossover is small: ``EIGVALSH_MAX_N = 256``, below which the estimate
-  would cost more than the eigensolver. ζ's Gram matrix ``KᵀK`` is formed as
-  ``Σ_{h,g} (P_hᵀ P_g) ⊗ (W_vo[h] W_vo[g]ᵀ)``, one GEMM (:func:`sensitivity_gram`),
-  one sample at a time (``(N·D)²`` floats: 0.55 GB at N = 65, D = 128).
-  ``‖M_l(X)‖`` is computed on a reduced operator: ``Γ`` enters only through
-  ``Γ [W_q W_k]``, so with ``Q`` an orthonormal basis of the columns of
-  ``[W_q[h], W_k[h]]`` the Gram size is ``N · min(2d, D)`` instead of ``N·D``
-  (:func:`lemma2_reduced_factors`).
+* larger: the structured certificates of :mod:`certify.structured`
+  (docs/structured-certificates.md), batched and matrix-free. ζ: a subspace
+  bound (token-constant directions plus a block of subspace-iteration
+  vectors; ``tr G`` and ``‖G‖_F²`` exact from the Kronecker structure;
+  verified by a small Cholesky, every rounding error added), and, only for
+  samples where it is more than ``STRUCTURED_RTOL`` above its Ritz value, the
+  dense certificate ``λ_max(G) ≤ μ`` proved by a Cholesky factorisation of
+  ``μ I − G`` with a Rump-type rounding margin (:func:`certified_lambda_max`,
+  Gram formed by :func:`sensitivity_gram`, one sample at a time).
+  ``‖M_l(X)‖``: ``√(λ_max(CᵀC + EᵀE) + 2‖C‖‖E‖)`` (``D × D`` eigenproblems,
+  never above ξ). For the dense ``n ≤ 256`` route ``‖M_l(X)‖`` uses a
+  reduced operator: ``Γ`` enters only through ``Γ [W_q W_k]``, so with ``Q``
+  an orthonormal basis of the columns of ``[W_q[h], W_k[h]]`` the Gram size is
+  ``N · min(2d, D)`` instead of ``N·D`` (:func:`lemma2_reduced_factors`).
 
 ``exact=False`` never forms a matrix larger than ``(N, N)`` or ``(D, D)``: ζ
 and ``‖M_l(X)‖`` come from :func:`lipvit.spectral.power_iteration` on the

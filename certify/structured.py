@@ -84,13 +84,15 @@ def certified_lambda_max_small(G: Tensor, tau0: float = 1e-13) -> Tensor:
     """
     lam = torch.linalg.eigvalsh(G)[..., -1]
     scale = lam.abs() + torch.linalg.matrix_norm(G)
+    diag_max = G.diagonal(dim1=-2, dim2=-1).abs().amax(-1)
     eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
     out = torch.full_like(lam, math.inf)
     tau = tau0
     todo = torch.ones_like(lam, dtype=torch.bool)
     while tau < 1.0 and bool(todo.any()):
         mu = lam + tau * scale + TINY
-        ok = certified_psd(mu[..., None, None] * eye - G) & todo
+        rho = 4 * U * (mu.abs() + diag_max)  # rounding of μ − G_ii (§0)
+        ok = certified_psd((mu - rho)[..., None, None] * eye - G) & todo
         out = torch.where(ok, mu, out)
         todo = todo & ~ok
         tau *= 10
@@ -154,15 +156,17 @@ def subspace_lambda_bound(
     eps_R = up(5 * eta * g_norm + e_Y + 1.12 * eps_X
                + gamma(k + 1) * (Y_fro + V_fro * Theta_fro))
     W = R.mT @ R  # (B, k, k)
+    W_fro = up(torch.linalg.matrix_norm(W))
     eps_W = up(eps_R * (2 * R_fro + eps_R) + gamma(n) * R_fro**2)
     # β ≥ λ_max of G on the complement of span V (§3.3).
     tr_c = trace - Theta.diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(PGP), computed
-    tr_c_lo = tr_c - up(trace_err + k * eps_T + gamma(k + 1) * Theta_fro * math.sqrt(k))
+    tr_c_lo = tr_c - up(trace_err + k * eps_T
+                        + gamma(k + 1) * (trace.abs() + Theta_fro * math.sqrt(k)))
     s = (tr_c / m).clamp_min(0)
-    Y_lo = (Y_fro - e_Y).clamp_min(0)
-    F_hi = (fro2 + fro2_err - 2 * Y_lo**2 / (1 + eta)
-            + (Theta_fro + math.sqrt(k) * eps_T) ** 2 / (1 - eta) ** 2)
-    F_hi = up(F_hi, gamma(4)) + gamma(4) * (fro2 + 2 * Y_fro**2 + Theta_fro**2)
+    Y_lo = (torch.linalg.matrix_norm(GV) * (1 - 8 * U) - e_Y).clamp_min(0)
+    Theta_hi = up(Theta_fro + math.sqrt(k) * eps_T)  # ≥ ‖Θ̂‖_F
+    F_hi = fro2 + fro2_err - 2 * Y_lo**2 / (1 + eta) + Theta_hi**2
+    F_hi = F_hi + gamma(8) * (fro2.abs() + fro2_err + 2 * Y_lo**2 + Theta_hi**2)
     b2 = F_hi - 2 * s * tr_c_lo + s * s * m
     b2 = b2 + gamma(4) * (F_hi.abs() + 2 * s * tr_c_lo.abs() + s * s * m)
     beta = up(s + b2.clamp_min(0).sqrt())
@@ -182,8 +186,9 @@ def subspace_lambda_bound(
     while tau < 1e-2 and bool(todo.any()):
         lam = torch.maximum(lam_c + tau * scale, beta + tau * scale) + eps_T
         gap = lam - beta
-        shift = (lam - eps_T - eps_W / gap)[:, None, None]
-        A = shift * eye - Theta - W / gap[:, None, None]
+        shift = lam - eps_T - up(eps_W) / gap
+        rho = 2 * gamma(6) * (shift.abs() + Theta_fro + W_fro / gap)  # forming A
+        A = (shift - rho)[:, None, None] * eye - Theta - W / gap[:, None, None]
         ok = certified_psd(A) & todo & (gap > 0) & torch.isfinite(lam)
         upper = torch.where(ok, lam, upper)
         todo = todo & ~ok
