@@ -90,6 +90,8 @@ Op = Callable[[Tensor], Tensor]
 
 EIGVALSH_MAX_N = 256
 """Largest Gram size solved by ``eigvalsh``; above it, the structured certificates."""
+CHECK_EVERY = 10
+"""Power iterations between convergence tests (each one a host sync on a GPU)."""
 STRUCTURED_RTOL = 1e-4
 """ζ's structured certificate is kept where it is within this relative distance of
 its Ritz value (a lower estimate of ζ); elsewhere the Cholesky certificate runs."""
@@ -391,8 +393,8 @@ def _estimate(
     when ``v`` has converged to the top singular vector, ``λ_max(AᵀA) − σ²``
     is at most ``residual · σ²`` — a heuristic start for the certificate's ``τ``.
     """
-    est = power_iteration(matvec, rmatvec, start, n_iter,
-                          in_ndim=2, out_ndim=2, tol=tol)
+    est = power_iteration(matvec, rmatvec, start, n_iter, in_ndim=2, out_ndim=2,
+                          tol=tol, check_every=CHECK_EVERY)
     Av = matvec(est.v)
     lam = Av.pow(2).sum(dim=(-2, -1))  # Rayleigh quotient of AᵀA
     res = (rmatvec(Av) - lam[..., None, None] * est.v).pow(2).sum(dim=(-2, -1)).sqrt()

@@ -309,9 +309,23 @@ class ZetaCertificate(NamedTuple):
     ritz: Tensor
 
 
+CPU_CHUNK_BYTES = 1 << 30
+        Z = torch.randn(1, k, N, D, generator=gen, device=P.device)
+        Z = Z.expand(B, k, N, D)  # the same start for every sample
+
+
+def samples_per_chunk(bytes_per_sample: int, device: torch.device) -> int:
+    """Memory-aware batch size: how many samples fit the working-memory budget."""
+    budget = CPU_CHUNK_BYTES
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free // 4
+    return max(1, budget // max(1, bytes_per_sample))
+
+
 def zeta_certificate(
     P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool, k: int = 16,
-    n_iter: int = 12, weight_half: Tensor | None = None,
+    n_iter: int = 12,
 ) -> ZetaCertificate:
     """Guaranteed upper bound on ζ(X), LoFAST eq. (15), batched over samples (§4).
 
@@ -320,14 +334,15 @@ def zeta_certificate(
     them) plus ``k`` token-centred vectors from ``n_iter`` steps of subspace
     iteration on ``G`` (float32: they only need to be good, not exact). The
     certificate (:func:`subspace_lambda_bound`, :func:`kron_moments`) is
-    float64 and sound for every ``V``.
+    float64 and sound for every ``V``. Samples are processed in chunks sized
+    by :func:`samples_per_chunk`; the weight half of the moments is computed
+    once.
 
     Args:
         P: attention ``(B, H, N, N)``, float64 (taken as exact data).
         W_v: ``(H, D, d)``; W_o: ``(H, d, D)``, float64.
         residual: ``H = I`` if true, else ``H = 0``.
         k, n_iter: subspace size and iterations (tightness and time only).
-        weight_half: :func:`kron_weight_half` of ``W_v W_o`` (reused per layer).
 
     Returns:
         :class:`ZetaCertificate`, ``(B,)`` each, float64.
@@ -335,8 +350,23 @@ def zeta_certificate(
     from certify.attention import value_output
 
     B, H, N, _ = P.shape
-    D, d = W_v.shape[1], W_v.shape[2]
+    D = W_v.shape[1]
     W_vo = value_output(W_v, W_o)  # (H, D, D), rounded: accounted for in §2.2
+    weight_half = kron_weight_half(W_vo, residual)
+    # V, G V, R and the (K, N, H·d) intermediates, float64: ≈ 6 (D + k) N D words.
+    chunk = samples_per_chunk(48 * (D + k) * N * max(D, W_v.shape[2] * H), P.device)
+    parts = [_zeta_chunk(P[i:i + chunk], W_v, W_o, W_vo, weight_half, residual, k,
+                         n_iter) for i in range(0, B, chunk)]
+    return ZetaCertificate(*(torch.cat(t) for t in zip(*parts, strict=True)))
+
+
+def _zeta_chunk(
+    P: Tensor, W_v: Tensor, W_o: Tensor, W_vo: Tensor, weight_half: Tensor,
+    residual: bool, k: int, n_iter: int,
+) -> ZetaCertificate:
+    """:func:`zeta_certificate` for one chunk of samples."""
+    B, H, N, _ = P.shape
+    D, d = W_v.shape[1], W_v.shape[2]
     moments = kron_moments(P, W_vo, residual, weight_half)
     kappa = value_kappa(P, W_v, W_o, residual)  # (B,)
     mv_err = up(3 * (gamma(D + N + H * d + 2) + gamma(d)) * kappa**2)
@@ -349,7 +379,7 @@ def zeta_certificate(
     if k > 0:
         P32, Wv32, Wo32 = P.float(), W_v.float(), W_o.float()
         gen = torch.Generator(device=P.device).manual_seed(0)
-        Z = torch.randn(B, k, N, D, generator=gen, device=P.device)
+        Z = torch.randn(1, k, N, D, generator=gen, device=P.device).expand(B, k, N, D)
         for _ in range(n_iter):
             Z = _centre(gram_apply(_orthonormal(_centre(Z)), P32, Wv32, Wo32, residual))
         vecs = [_orthonormal(_centre(Z.double()))]

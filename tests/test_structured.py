@@ -176,3 +176,28 @@ def test_structured_route_sound_against_pgd(monkeypatch, seed: int) -> None:
     for residual in (True, False):
         for eps in (0.01, 0.3):
             _check_sound(X, W, residual, eps, steps=60, restarts=2, seed=seed)
+
+
+def test_zeta_certificate_chunks_agree(monkeypatch) -> None:
+    # Memory-aware chunking: one sample per chunk gives the same numbers.
+    X, *W = layer(8, B=3, N=6, D=8, H=2, d=4, qk=2.0)
+    P = attention_probs(X, W[0], W[1])
+    whole = S.zeta_certificate(P, W[2], W[3], True)
+    monkeypatch.setattr(S, "CPU_CHUNK_BYTES", 1)
+    chunked = S.zeta_certificate(P, W[2], W[3], True)
+    assert torch.allclose(whole.upper, chunked.upper, rtol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zeta_certificate_cuda_matches_cpu() -> None:
+    X, *W = layer(9, B=4, N=9, D=16, H=2, d=4, qk=1.0)
+    exact = torch.linalg.matrix_norm(kron_zeta_matrix(X, *W, False), ord=2)
+    P = attention_probs(X, W[0], W[1])
+    cpu = S.zeta_certificate(P, W[2], W[3], False)
+    gpu = S.zeta_certificate(P.cuda(), W[2].cuda(), W[3].cuda(), False)
+    assert gpu.upper.device.type == "cuda"
+    assert torch.all(gpu.upper.cpu() >= exact)
+    assert torch.allclose(gpu.upper.cpu(), cpu.upper, rtol=1e-6)
+    m = S.lemma2_structured_bound(X.cuda(), W[0].cuda(), W[1].cuda())
+    assert torch.allclose(m.cpu(), S.lemma2_structured_bound(X, W[0], W[1]), rtol=1e-9)
