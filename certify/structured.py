@@ -310,8 +310,7 @@ class ZetaCertificate(NamedTuple):
 
 
 CPU_CHUNK_BYTES = 1 << 30
-        Z = torch.randn(1, k, N, D, generator=gen, device=P.device)
-        Z = Z.expand(B, k, N, D)  # the same start for every sample
+"""Working memory of one chunk of samples on the CPU (CUDA: a quarter of free)."""
 
 
 def samples_per_chunk(bytes_per_sample: int, device: torch.device) -> int:
@@ -379,7 +378,8 @@ def _zeta_chunk(
     if k > 0:
         P32, Wv32, Wo32 = P.float(), W_v.float(), W_o.float()
         gen = torch.Generator(device=P.device).manual_seed(0)
-        Z = torch.randn(1, k, N, D, generator=gen, device=P.device).expand(B, k, N, D)
+        Z = torch.randn(1, k, N, D, generator=gen, device=P.device)
+        Z = Z.expand(B, k, N, D)  # the same start for every sample
         for _ in range(n_iter):
             Z = _centre(gram_apply(_orthonormal(_centre(Z)), P32, Wv32, Wo32, residual))
         vecs = [_orthonormal(_centre(Z.double()))]
