@@ -193,4 +193,4 @@ def certify_samples(
 def _crown(model: ViT, x: Tensor, y: Tensor, eps: float) -> Tensor:
     from certify.crown import crown_certify
 
-    return crown_certify(model, x, y, eps)
+    return crown_certify(model, x, y, eps, device=x.device)  # on the chosen device

@@ -209,6 +209,17 @@ def test_lemma2_certificate_route(monkeypatch) -> None:
     X, W_q, W_k, *_ = layer(7, N=5, D=8, H=2, d=2, qk=2.0)
     exact = torch.linalg.matrix_norm(L.lemma2_matrix(X, query_key(W_q, W_k)), ord=2)
     m = lemma2_norm(X, W_q, W_k)
+    assert "Cholesky" in m.method
+    assert torch.all(m.value >= exact * (1 - 1e-14))
+    assert torch.all(m.value <= exact * (1 + 1e-4))
+
+
+def test_lemma2_structured_route(monkeypatch) -> None:
+    monkeypatch.setattr(L, "EIGVALSH_MAX_N", 0)
+    monkeypatch.setattr(L, "LEMMA2_CHOLESKY_MAX_N", 0)
+    X, W_q, W_k, *_ = layer(7, N=5, D=8, H=2, d=2, qk=2.0)
+    exact = torch.linalg.matrix_norm(L.lemma2_matrix(X, query_key(W_q, W_k)), ord=2)
+    m = lemma2_norm(X, W_q, W_k)
     assert "structured" in m.method and m.exact
     assert torch.all(m.value >= exact * (1 - 1e-14))
     C, E = L.lemma2_factors(X, query_key(W_q, W_k))
