@@ -162,16 +162,18 @@ def main() -> None:
     print(f"# certify_speed: {name}; device {device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {clock}; load average "
           f"{os.getloadavg()[0]:.1f}\n")
-    if "batch" not in args.skip:
-        print("## per-sample time against the batch size\n")
-        print("\n".join(table_batch(model, args.batches, methods, device)), "\n")
-    if "shapes" not in args.skip:
-        print(f"## against N, D and depth (random lipschitz models, "
-              f"batch {args.batch})\n")
-        print("\n".join(table_shapes(shapes, args.batch, methods, device)), "\n")
-    if "zeta" not in args.skip:
-        print("## ζ: certified value against its Ritz value (≤ ζ) and dense eigvalsh\n")
-        print("\n".join(table_zeta(model, 2, args.dense_max, device)))
+    sections = {
+        "batch": ("per-sample time against the batch size",
+                  lambda: table_batch(model, args.batches, methods, device)),
+        "shapes": (f"against N, D and depth (random lipschitz models, batch "
+                   f"{args.batch})", lambda: table_shapes(shapes, args.batch, methods,
+                                                           device)),
+        "zeta": ("ζ: certified value against its Ritz value (≤ ζ) and dense eigvalsh",
+                 lambda: table_zeta(model, 2, args.dense_max, device)),
+    }
+    for key, (title, table) in sections.items():
+        if key not in args.skip:
+            print(f"## {title}\n\n" + "\n".join(table()) + "\n", flush=True)
     print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 
