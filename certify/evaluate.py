@@ -210,7 +210,7 @@ def _crown_each(model: ViT, x: Tensor, y: Tensor, eps: float, advance) -> Tensor
     from certify.crown import crown_certify
 
     out = []
-    for i in range(x.shape[0]):
-        out.append(crown_certify(model, x[i:i + 1], y[i:i + 1], eps))
+    for i in range(x.shape[0]):  # on the chosen device
+        out.append(crown_certify(model, x[i:i + 1], y[i:i + 1], eps, device=x.device))
         advance(1)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)

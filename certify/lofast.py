@@ -46,24 +46,22 @@ covered by a margin, docs/math.md "Rounding"):
 
 * Gram size ``n ≤ EIGVALSH_MAX_N`` (256): dense Gram matrix, ``eigvalsh``
   plus the rounding margin (:func:`lipvit.spectral.eigvalsh_upper`).
-* larger: a matrix-free power-iteration estimate ``σ_est`` (from below), then a
-  certificate ``λ_max(G) ≤ μ = σ_est²(1 + τ)`` proved by a successful Cholesky
-  factorisation of ``μ I − G`` shifted by a Rump-type rounding margin
-  (:func:`certified_lambda_max`); ``τ`` starts at ``max(1e-7, 2r)``, ``r`` the
-  relative eigen-residual of the estimate, and grows tenfold until the
-  factorisation succeeds (``eigvalsh`` if ``τ`` would exceed 0.1). The
-  iteration budget only affects tightness (``τ``) and time, never soundness.
-  A Cholesky costs ``n³/3`` flops, BLAS-3; ``eigvalsh`` (tridiagonalisation)
-  was 10-40× slower on the 2-core development machine (n = 2080: 0.45 s vs
-  6 s; n = 8320, ζ of the LoFAST 128-wide layer: 16 s vs minutes), so the
-  crossover is small: ``EIGVALSH_MAX_N = 256``, below which the estimate
-  would cost more than the eigensolver. ζ's Gram matrix ``KᵀK`` is formed as
-  ``Σ_{h,g} (P_hᵀ P_g) ⊗ (W_vo[h] W_vo[g]ᵀ)``, one GEMM (:func:`sensitivity_gram`),
-  one sample at a time (``(N·D)²`` floats: 0.55 GB at N = 65, D = 128).
-  ``‖M_l(X)‖`` is computed on a reduced operator: ``Γ`` enters only through
-  ``Γ [W_q W_k]``, so with ``Q`` an orthonormal basis of the columns of
-  ``[W_q[h], W_k[h]]`` the Gram size is ``N · min(2d, D)`` instead of ``N·D``
-  (:func:`lemma2_reduced_factors`).
+* larger: the structured certificates of :mod:`certify.structured`
+  (docs/structured-certificates.md), batched and matrix-free. ζ: a subspace
+  bound (token-constant directions plus a block of subspace-iteration
+  vectors; ``tr G`` and ``‖G‖_F²`` exact from the Kronecker structure;
+  verified by a small Cholesky, every rounding error added), and, only for
+  samples where it is more than ``STRUCTURED_RTOL`` above its Ritz value, the
+  dense certificate ``λ_max(G) ≤ μ`` proved by a Cholesky factorisation of
+  ``μ I − G`` with a Rump-type rounding margin (:func:`certified_lambda_max`,
+  Gram formed by :func:`sensitivity_gram`, one sample at a time).
+  ``‖M_l(X)‖``: up to ``LEMMA2_CHOLESKY_MAX_N``, a power-iteration estimate
+  certified by the Cholesky of ``μ I − G`` (as for ζ), one head's reduced
+  Gram matrix at a time; above, ``√(λ_max(CᵀC + EᵀE) + 2‖C‖‖E‖)`` (``D × D``
+  eigenproblems, never above ξ). The dense routes of ``‖M_l(X)‖`` use a
+  reduced operator: ``Γ`` enters only through ``Γ [W_q W_k]``, so with ``Q``
+  an orthonormal basis of the columns of ``[W_q[h], W_k[h]]`` the Gram size is
+  ``N · min(2d, D)`` instead of ``N·D`` (:func:`lemma2_reduced_factors`).
 
 ``exact=False`` never forms a matrix larger than ``(N, N)`` or ``(D, D)``: ζ
 and ``‖M_l(X)‖`` come from :func:`lipvit.spectral.power_iteration` on the
@@ -89,12 +87,22 @@ from certify.attention import (
     query_key,
     value_output,
 )
+from certify.structured import lemma2_structured_bound, zeta_certificate
 from lipvit.spectral import eigvalsh_upper, gamma, power_iteration, spectral_norm
 
 Op = Callable[[Tensor], Tensor]
 
 EIGVALSH_MAX_N = 256
-"""Largest Gram size solved by ``eigvalsh``; above it, the Cholesky certificate."""
+"""Largest Gram size solved by ``eigvalsh``; above it, the structured certificates."""
+LEMMA2_CHOLESKY_MAX_N = 1024
+"""Largest reduced Gram size of ``‖M_h(X)‖`` certified densely (power iteration
+plus Cholesky, within 1e-7 of exact; ``n³/3`` flops per head); above it the
+structured bound (1.1–1.4× exact, docs/structured-certificates.md §5)."""
+CHECK_EVERY = 10
+"""Power iterations between convergence tests (each one a host sync on a GPU)."""
+STRUCTURED_RTOL = 1e-4
+"""ζ's structured certificate is kept where it is within this relative distance of
+its Ritz value (a lower estimate of ζ); elsewhere the Cholesky certificate runs."""
 
 
 @dataclass(frozen=True)
@@ -159,19 +167,20 @@ def sensitivity_matvec(
     """``A(Γ) = H Γ + Σ_h P_h Γ W_v[h] W_o[h]``, the linear term Δ1 of eq. (10).
 
     Args:
-        Gamma: ``(B, N, D)``.
-        P: attention matrices ``(B, H, N, N)``.
+        Gamma: ``(*lead, N, D)``.
+        P: attention matrices ``(*lead, H, N, N)`` (broadcastable: e.g.
+            ``(B, 1, H, N, N)`` against ``Γ`` ``(B, K, N, D)``).
         W_v: ``(H, D, d)``; W_o: ``(H, d, D)``.
         residual: ``H = I`` if true, else ``H = 0``.
 
     Returns:
-        ``(B, N, D)``.
+        ``(*lead, N, D)``.
     """
     H, D, d = W_v.shape
-    B, N, _ = Gamma.shape
-    GV = (Gamma @ W_v.transpose(0, 1).reshape(D, H * d)).reshape(B, N, H, d)
-    PGV = P @ GV.transpose(1, 2)  # (B, H, N, d) = P_h Γ W_v[h]
-    out = PGV.transpose(1, 2).reshape(B, N, H * d) @ W_o.reshape(H * d, D)  # (B, N, D)
+    *lead, N, _ = Gamma.shape
+    GV = (Gamma @ W_v.transpose(0, 1).reshape(D, H * d)).reshape(*lead, N, H, d)
+    PGV = P @ GV.transpose(-3, -2)  # (*lead, H, N, d) = P_h Γ W_v[h]
+    out = PGV.transpose(-3, -2).reshape(*lead, N, H * d) @ W_o.reshape(H * d, D)
     return out + Gamma if residual else out
 
 
@@ -180,11 +189,11 @@ def sensitivity_rmatvec(
 ) -> Tensor:
     """Adjoint ``A*(Y) = Hᵀ Y + Σ_h P_hᵀ Y W_o[h]ᵀ W_v[h]ᵀ`` of the above."""
     H, D, d = W_v.shape
-    B, N, _ = Y.shape
-    YO = (Y @ W_o.reshape(H * d, D).T).reshape(B, N, H, d)  # Y W_o[h]ᵀ
-    PYO = P.transpose(-1, -2) @ YO.transpose(1, 2)  # (B, H, N, d)
+    *lead, N, _ = Y.shape
+    YO = (Y @ W_o.reshape(H * d, D).T).reshape(*lead, N, H, d)  # Y W_o[h]ᵀ
+    PYO = P.transpose(-1, -2) @ YO.transpose(-3, -2)  # (*lead, H, N, d)
     W_v_cat = W_v.transpose(0, 1).reshape(D, H * d)  # (D, H·d) = [W_v[1] … W_v[H]]
-    out = PYO.transpose(1, 2).reshape(B, N, H * d) @ W_v_cat.T  # (B, N, D)
+    out = PYO.transpose(-3, -2).reshape(*lead, N, H * d) @ W_v_cat.T  # (*lead, N, D)
     return out + Y if residual else out
 
 
@@ -397,8 +406,8 @@ def _estimate(
     when ``v`` has converged to the top singular vector, ``λ_max(AᵀA) − σ²``
     is at most ``residual · σ²`` — a heuristic start for the certificate's ``τ``.
     """
-    est = power_iteration(matvec, rmatvec, start, n_iter,
-                          in_ndim=2, out_ndim=2, tol=tol)
+    est = power_iteration(matvec, rmatvec, start, n_iter, in_ndim=2, out_ndim=2,
+                          tol=tol, check_every=CHECK_EVERY)
     Av = matvec(est.v)
     lam = Av.pow(2).sum(dim=(-2, -1))  # Rayleigh quotient of AᵀA
     res = (rmatvec(Av) - lam[..., None, None] * est.v).pow(2).sum(dim=(-2, -1)).sqrt()
@@ -465,7 +474,7 @@ def _method(n: int, exact: bool) -> str:
         return "power iteration (estimate)"
     if n <= EIGVALSH_MAX_N:
         return f"dense eigvalsh (Gram size {n})"
-    return f"power iteration + Cholesky certificate (Gram size {n})"
+    return f"structured certificate (Gram size {n})"
 
 
 # --------------------------------------------------------------------------
@@ -487,18 +496,43 @@ def _key_sensitivity(
         gram = sensitivity_gram(P, W_vo, residual)  # (B, n, n)
         rnd = _sensitivity_rounding(P, W_vo, residual)
         return NormBound(_dense_sigma(gram, rnd), method, True)
+    if exact:
+        return _certified_zeta(P, W_v, W_o, residual)
     est = _estimate(lambda G: sensitivity_matvec(G, P, W_v, W_o, residual),
                     lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
                     _start((B, N, D), P), n_iter, tol)
-    if not exact:
-        return NormBound(est.sigma, method, False)
+    return NormBound(est.sigma, method, False)
+
+
+def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> NormBound:
+    """ζ upper bound ``(B,)``: the structured certificate, Cholesky where it is loose.
+
+    :func:`certify.structured.zeta_certificate` (docs/structured-certificates.md
+    §4) for every sample; samples whose certificate exceeds its Ritz value
+    (≤ ζ) by more than :data:`STRUCTURED_RTOL` get the dense Cholesky
+    certificate too (:func:`certified_lambda_max`), and keep the smaller.
+    """
+    B, H, N, _ = P.shape
+    n = N * W_v.shape[1]
+    cert = zeta_certificate(P, W_v, W_o, residual)
+    loose = (cert.upper > cert.ritz * (1 + STRUCTURED_RTOL)).nonzero().flatten()
+    value = cert.upper.clone()
     W_vo = value_output(W_v, W_o)  # (H, D, D)
     rnd = _sensitivity_rounding(P, W_vo, residual)
-    values = [_certified_sigma(sensitivity_gram(P[b:b + 1], W_vo, residual),  # (1,n,n)
-                               _Estimate(est.sigma[b:b + 1], est.residual[b:b + 1]),
-                               _Rounding(rnd.scale[b:b + 1], rnd.inner))
-              for b in range(B)]  # one (N·D)² Gram matrix at a time
-    return NormBound(torch.cat(values), method, True)
+    if len(loose):
+        Pl = P[loose]  # (L, H, N, N)
+        est = _estimate(lambda G: sensitivity_matvec(G, Pl, W_v, W_o, residual),
+                        lambda Y: sensitivity_rmatvec(Y, Pl, W_v, W_o, residual),
+                        _start((len(loose), N, W_v.shape[1]), P), 1000, 1e-10)
+    for i, b in enumerate(loose.tolist()):  # one (N·D)² Gram matrix at a time
+        gram = sensitivity_gram(P[b:b + 1], W_vo, residual)  # (1, n, n)
+        start = _Estimate(torch.maximum(est.sigma[i:i + 1], cert.ritz[b:b + 1]),
+                          est.residual[i:i + 1])
+        rounding = _Rounding(rnd.scale[b:b + 1], rnd.inner)
+        value[b] = torch.minimum(value[b], _certified_sigma(gram, start, rounding)[0])
+    method = (f"structured subspace certificate (Gram size {n}), Cholesky "
+              f"fallback on {len(loose)} of {B}")
+    return NormBound(value, method, True)
 
 
 def key_sensitivity(
@@ -548,6 +582,10 @@ def _lemma2_norm(
     if exact and n <= EIGVALSH_MAX_N:
         return NormBound(_dense_sigma(lemma2_gram(C, E), _lemma2_rounding(C, E)),
                          method, True)
+    if exact and n > LEMMA2_CHOLESKY_MAX_N:  # docs/structured-certificates.md §5
+        return NormBound(lemma2_structured_bound(X, W_q, W_k),
+                         f"structured bound √(λ_max(CᵀC+EᵀE)+2‖C‖‖E‖) (Gram size {n})",
+                         True)
     est = _estimate(lambda G: lemma2_op(G, C, E), lambda Y: lemma2_op_adjoint(Y, C, E),
                     _start(C.shape, X), n_iter, tol)
     if not exact:
@@ -557,7 +595,8 @@ def _lemma2_norm(
                                _Estimate(est.sigma[b], est.residual[b]),
                                _Rounding(rnd.scale[b], rnd.inner))
               for b in range(B)]
-    return NormBound(torch.stack(values), method, True)
+    return NormBound(torch.stack(values),
+                     f"power iteration + Cholesky certificate (Gram size {n})", True)
 
 
 def lemma2_norm(

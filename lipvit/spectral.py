@@ -60,6 +60,7 @@ def power_iteration(
     in_ndim: int = 1,
     out_ndim: int = 1,
     tol: float | None = None,
+    check_every: int = 1,
 ) -> PowerIteration:
     """Power iteration on ``AᵀA`` for σ_max(A), batched, matrix-free.
 
@@ -77,6 +78,8 @@ def power_iteration(
         in_ndim: number of trailing dimensions forming the operator's input.
         out_ndim: number of trailing dimensions forming the operator's output.
         tol: stop early once every relative change of σ is below ``tol``.
+        check_every: test convergence (a host synchronisation on a GPU) only
+            every ``check_every`` iterations.
 
     Returns:
         :class:`PowerIteration` with ``sigma`` of shape ``batch`` (an estimate
@@ -99,7 +102,7 @@ def power_iteration(
                 1e-30
             )
             sigma = new_sigma
-            if bool(converged.all()):
+            if it % check_every == 0 and bool(converged.all()):
                 break
         sigma = new_sigma
     # σ for the final v (one more matvec keeps u and v consistent with sigma).

@@ -159,12 +159,13 @@ def test_sensitivity_gram_is_ktk() -> None:
 
 @pytest.mark.parametrize("residual", [True, False])
 def test_zeta_certificate_route(monkeypatch, residual: bool) -> None:
-    # Force the power-iteration + Cholesky-certificate route at a checkable size.
+    # Force the structured certificate (and its Cholesky fallback where it is
+    # loose) at a checkable size.
     monkeypatch.setattr(L, "EIGVALSH_MAX_N", 0)
     X, *W = layer(6, B=3, N=5, D=6, qk=3.0)
     exact = torch.linalg.matrix_norm(kron_zeta_matrix(X, *W, residual), ord=2)
     z = key_sensitivity(X, *W, residual=residual)
-    assert "Cholesky" in z.method and z.exact
+    assert "structured" in z.method and z.exact
     assert torch.all(z.value >= exact * (1 - 1e-14))
     assert torch.all(z.value <= exact * (1 + 1e-4))
 
@@ -211,6 +212,19 @@ def test_lemma2_certificate_route(monkeypatch) -> None:
     assert "Cholesky" in m.method
     assert torch.all(m.value >= exact * (1 - 1e-14))
     assert torch.all(m.value <= exact * (1 + 1e-4))
+
+
+def test_lemma2_structured_route(monkeypatch) -> None:
+    monkeypatch.setattr(L, "EIGVALSH_MAX_N", 0)
+    monkeypatch.setattr(L, "LEMMA2_CHOLESKY_MAX_N", 0)
+    X, W_q, W_k, *_ = layer(7, N=5, D=8, H=2, d=2, qk=2.0)
+    exact = torch.linalg.matrix_norm(L.lemma2_matrix(X, query_key(W_q, W_k)), ord=2)
+    m = lemma2_norm(X, W_q, W_k)
+    assert "structured" in m.method and m.exact
+    assert torch.all(m.value >= exact * (1 - 1e-14))
+    C, E = L.lemma2_factors(X, query_key(W_q, W_k))
+    xi = torch.linalg.matrix_norm(C, ord=2) + torch.linalg.matrix_norm(E, ord=2)
+    assert torch.all(m.value <= xi * (1 + 1e-12))  # never above ξ, eq. (26)
 
 
 # ---------------------------------------------------------------- certificate
