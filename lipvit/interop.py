@@ -97,7 +97,9 @@ def read_state_dict(path: str | Path) -> StateDict:
         try:
             return dict(_safetensors().load_file(str(path)))
         except (OSError, ValueError, RuntimeError) as err:  # header/shape errors
-            raise CheckpointError(f"{path}: unreadable safetensors file: {err}") from err
+            raise CheckpointError(
+                f"{path}: unreadable safetensors file: {err}"
+            ) from err
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is one line
@@ -205,7 +207,9 @@ def _fold_layer_scale(state: StateDict) -> StateDict:
     out = dict(state)
     for key in [k for k in state if re.fullmatch(r"blocks\.\d+\.ls[12]\.gamma", k)]:
         gamma = out.pop(key)  # (D,)
-        layer = key.replace(".ls1.gamma", ".attn.proj").replace(".ls2.gamma", ".mlp.fc2")
+        layer = key.replace(".ls1.gamma", ".attn.proj").replace(
+            ".ls2.gamma", ".mlp.fc2"
+        )
         out[f"{layer}.weight"] = gamma[:, None] * out[f"{layer}.weight"]
         out[f"{layer}.bias"] = gamma * out[f"{layer}.bias"]
     return out
@@ -241,10 +245,14 @@ def vit_from_timm(
         raise _refuse("no timm ViT keys (blocks.0.attn.qkv.weight, patch_embed.proj)")
     state = _fold_layer_scale(state)
     cfg = _timm_config(state, num_heads, norm_eps, mean, std)
-    dtype = torch.float64 if state["cls_token"].dtype == torch.float64 else torch.float32
+    dtype = (
+        torch.float64 if state["cls_token"].dtype == torch.float64 else torch.float32
+    )
     lipvit_state = {k: v.to(dtype) for k, v in state.items()}
     conv = lipvit_state["patch_embed.proj.weight"]
-    lipvit_state["patch_embed.proj.weight"] = conv.reshape(conv.shape[0], -1)  # (D, C·p·p)
+    lipvit_state["patch_embed.proj.weight"] = conv.reshape(
+        conv.shape[0], -1
+    )  # (D, C·p·p)
     model = ViT(cfg).to(dtype)
     lipvit_state["mean"], lipvit_state["std"] = model.mean, model.std
     try:
@@ -351,8 +359,14 @@ _HF_TO_TIMM: list[tuple[str, Callable[[re.Match[str]], str]]] = [
         r"vit\.embeddings\.patch_embeddings\.projection\.(weight|bias)",
         lambda m: f"patch_embed.proj.{m[1]}",
     ),
-    (_BLOCK + r"layernorm_before\.(weight|bias)", lambda m: f"blocks.{m[1]}.norm1.{m[2]}"),
-    (_BLOCK + r"layernorm_after\.(weight|bias)", lambda m: f"blocks.{m[1]}.norm2.{m[2]}"),
+    (
+        _BLOCK + r"layernorm_before\.(weight|bias)",
+        lambda m: f"blocks.{m[1]}.norm1.{m[2]}",
+    ),
+    (
+        _BLOCK + r"layernorm_after\.(weight|bias)",
+        lambda m: f"blocks.{m[1]}.norm2.{m[2]}",
+    ),
     (
         _BLOCK + r"attention\.(?:attention\.)?(query|key|value|q_proj|k_proj|v_proj)"
         r"\.(weight|bias)",
@@ -413,7 +427,7 @@ def _square(value: Any, name: str) -> int:
 
 
 def _hf_settings(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """Check a transformers ViT config; the :func:`vit_from_timm` settings it implies."""
+    """Check a transformers ViT config; return the settings it implies."""
     model_type = hf.get("model_type")
     if model_type != "vit":
         raise _refuse(
@@ -583,7 +597,9 @@ def hf_state_dict(model: ViT) -> StateDict:
         m = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", key)
         if m and m[2] == "attn.qkv":
             prefix = f"vit.encoder.layer.{m[1]}.attention.attention"
-            for name, part in zip(("query", "key", "value"), value.chunk(3), strict=True):
+            for name, part in zip(
+                ("query", "key", "value"), value.chunk(3), strict=True
+            ):
                 out[f"{prefix}.{name}.{m[3]}"] = part.contiguous()  # (D, ...)
         elif m:
             out[f"vit.encoder.layer.{m[1]}.{block[m[2]]}.{m[3]}"] = value

@@ -145,7 +145,9 @@ def timm_layout(hf) -> dict[str, torch.Tensor]:
                 "mlp.fc2": "output.dense",
             }
             for timm_name, hf_name in names.items():
-                out[f"blocks.{i}.{timm_name}.{kind}"] = src[f"{hf_block}.{hf_name}.{kind}"]
+                out[f"blocks.{i}.{timm_name}.{kind}"] = src[
+                    f"{hf_block}.{hf_name}.{kind}"
+                ]
             qkv = [
                 src.get(f"{hf_block}.attention.attention.{n}.{kind}")
                 for n in ("query", "key", "value")
