@@ -586,6 +586,7 @@ def train(
     force: bool = False,
     progress: bool = True,
     log: Logger | None = None,
+    init: ViT | None = None,
 ) -> dict[str, Any]:
     """Train a :class:`~lipvit.model.ViT` on ``dataset`` and save it to ``out``.
 
@@ -601,6 +602,8 @@ def train(
         progress: show a tqdm bar per epoch (on stderr).
         log: receives one line per epoch (and a line on resume); library code
             never prints.
+        init: start from this model's weights (fine-tuning, e.g. an imported
+            transformers ViT); its configuration must be ``model_cfg``.
 
     Returns:
         The summary dict written next to the checkpoint: final accuracies,
@@ -638,6 +641,8 @@ def train(
             f"dataset {dataset.name} has {dataset.in_chans}x{dataset.image_size}x"
             f"{dataset.image_size} and {dataset.num_classes}"
         )
+    if init is not None and getattr(init, "config", None) != model_cfg:
+        raise ValueError("init: the starting model's configuration is not model_cfg")
     emit = log if log is not None else (lambda line: None)
 
     rank, world, device = _distributed(train_cfg.device)
@@ -662,6 +667,7 @@ def train(
             rank,
             world,
             device,
+            init,
         )
 
 
@@ -677,9 +683,12 @@ def _train(
     rank: int,
     world: int,
     device: torch.device,
+    init: ViT | None,
 ) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = ViT(model_cfg).to(device)
+    if init is not None:
+        model.load_state_dict(init.state_dict())
     msvp = (
         MSVP(model, cfg.msvp, cfg.msvp_iters, seed=cfg.seed).to(device)
         if any(cfg.msvp)

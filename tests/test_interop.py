@@ -256,3 +256,151 @@ def test_lipschitz_family_is_not_exported(tmp_path: Path) -> None:
 
     with pytest.raises(UnsupportedModelError, match="standard family"):
         save_hf(ViT(tiny_config("lipschitz")), tmp_path / "x")
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A saved random transformers ViT that fits digits (8×8, 1 channel, 10).
+
+    Bias-free q, k, v: lipvit's attention bounds refuse query/key biases.
+    """
+    path = tmp_path_factory.mktemp("hf") / "vit"
+    random_hf_vit(seed=11, qkv_bias=False).save_pretrained(path)
+    return path
+
+
+def cli(*args: str):
+    from click.testing import CliRunner
+
+    from lipvit.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_commands_read_an_imported_model(hf_dir: Path, tmp_path: Path) -> None:
+    result = cli("info", "--ckpt", hf_dir)
+    assert result.exit_code == 0, result.output
+    assert "imported transformers ViT" in result.output and "norm_eps=1e-12" in (
+        result.output
+    )
+    out = tmp_path / "cert.json"
+    result = cli(
+        "certify",
+        "--ckpt",
+        hf_dir,
+        "--dataset",
+        "digits",
+        "--n",
+        "4",
+        "--eps",
+        "0.01",
+        "--json",
+        out,
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["n"] == 4
+    # Query/key biases (transformers' default) are refused by the bounds.
+    random_hf_vit(seed=11).save_pretrained(tmp_path / "biased")
+    result = cli(
+        "certify",
+        "--ckpt",
+        tmp_path / "biased",
+        "--dataset",
+        "digits",
+        "--n",
+        "4",
+        "--eps",
+        "0.01",
+    )
+    assert result.exit_code == 1 and "bias-free query and key" in result.output
+    # The dataset must fit the model; no dataset recorded means --dataset.
+    result = cli("certify", "--ckpt", hf_dir, "--n", "4", "--eps", "0.01")
+    assert result.exit_code == 1 and "pass --dataset" in result.output
+
+
+def test_dataset_mismatch_is_one_line(tmp_path: Path) -> None:
+    random_hf_vit(num_channels=3).save_pretrained(tmp_path / "rgb")
+    result = cli(
+        "certify",
+        "--ckpt",
+        tmp_path / "rgb",
+        "--dataset",
+        "digits",
+        "--n",
+        "2",
+        "--eps",
+        "0.01",
+    )
+    assert result.exit_code == 1
+    assert "the model expects (3, 8, 8)" in result.output
+    assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
+
+
+def test_export_command_round_trips(hf_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "lip.pt"
+    assert (
+        cli("export", "--ckpt", hf_dir, "--out", out, "--format", "lipvit").exit_code
+        == 0
+    )
+    assert cli("export", "--ckpt", out, "--out", tmp_path / "hf").exit_code == 0
+    result = cli("export", "--ckpt", out, "--out", tmp_path / "hf")
+    assert result.exit_code == 1 and "--force" in result.output
+    assert (
+        cli(
+            "export",
+            "--ckpt",
+            out,
+            "--out",
+            tmp_path / "t.safetensors",
+            "--format",
+            "timm",
+        ).exit_code
+        == 0
+    )
+    x = images(torch.float32)
+    reference = load_checkpoint(hf_dir).model(x).detach()
+    for path in (out, tmp_path / "hf", tmp_path / "t.safetensors"):
+        assert max_diff(load_checkpoint(path).model, reference, x) == 0.0
+
+
+@pytest.mark.slow
+def test_train_init_fine_tunes_an_imported_model(hf_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ft.pt"
+    result = cli(
+        "train",
+        "--init",
+        hf_dir,
+        "--dataset",
+        "digits",
+        "--msvp",
+        "1e-3",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--out",
+        out,
+    )
+    assert result.exit_code == 0, result.output
+    tuned = load_checkpoint(out)
+    start = load_checkpoint(hf_dir)
+    assert tuned.config == start.config and tuned.msvp is not None
+    assert tuned.summary["train_config"]["msvp"] == [1e-3] * 3
+    moved = (tuned.model.head.weight - start.model.head.weight).abs().max().detach()
+    assert 0 < float(moved) < 1  # trained from the imported weights, not anew
+    result = cli(
+        "train",
+        "--init",
+        hf_dir,
+        "--dataset",
+        "digits",
+        "--embed-dim",
+        "8",
+        "--out",
+        tmp_path / "x.pt",
+    )
+    assert result.exit_code == 1 and "drop --embed-dim" in result.output

@@ -209,6 +209,15 @@ def _defaults_help(name: str) -> str:
     show_default=True,
     help="Checkpoint; the JSON summary goes next to it.",
 )
+@click.option(
+    "--init",
+    "init_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Fine-tune from these weights (a lipvit checkpoint, a transformers ViT "
+    "directory or timm-layout weights); the architecture and input "
+    "normalisation come from them.",
+)
 @click.option("--resume", is_flag=True, help="Continue the run saved at --out.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --out.")
 @click.option(
@@ -223,6 +232,7 @@ def train_command(
     preset_name: str | None,
     family: str,
     out: Path,
+    init_path: Path | None,
     resume: bool,
     force: bool,
     progress: bool,
@@ -256,17 +266,22 @@ def train_command(
     for k in size_keys:
         options.pop(k, None)
     data = load_dataset(dataset, data_dir)
-    name = preset_name or DEFAULT_PRESET.get((dataset, family), FALLBACK_PRESET)
-    model_cfg = preset(
-        name,
-        family=family,
-        image_size=data.image_size,
-        in_chans=data.in_chans,
-        num_classes=data.num_classes,
-        mean=data.mean,
-        std=data.std,
-        **size,
-    )
+    init = None
+    if init_path is not None:
+        init = _init_model(init_path, preset_name, size, family)
+        model_cfg = init.config
+    else:
+        name = preset_name or DEFAULT_PRESET.get((dataset, family), FALLBACK_PRESET)
+        model_cfg = preset(
+            name,
+            family=family,
+            image_size=data.image_size,
+            in_chans=data.in_chans,
+            num_classes=data.num_classes,
+            mean=data.mean,
+            std=data.std,
+            **size,
+        )
     lambdas = tuple(
         msvp_all if lam is None else lam for lam in (msvp_q, msvp_k, msvp_v)
     )
@@ -280,6 +295,7 @@ def train_command(
         force=force,
         progress=progress,
         log=click.echo,
+        init=init,
     )
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return
@@ -294,3 +310,23 @@ def train_command(
         f"saved {out} and {summary_path(out)}: test accuracy "
         f"{100 * summary['test_acc']:.1f}%, {sigma}, {summary['seconds']:.0f} s"
     )
+
+
+def _init_model(path: Path, preset_name: str | None, size: dict, family: str) -> Any:
+    """The model ``--init`` names; it fixes the architecture, so size flags clash."""
+    from lipvit.checkpoint import load_checkpoint
+
+    if preset_name is not None or size:
+        given = ["--preset"] * (preset_name is not None) + [
+            "--" + k.replace("_", "-") for k in size
+        ]
+        raise ValueError(
+            f"--init takes the architecture from {path}; drop {', '.join(given)}"
+        )
+    model = load_checkpoint(path).model.float()
+    if model.config.family != family:
+        raise ValueError(
+            f"--init {path} is a {model.config.family} model; pass "
+            f"--family {model.config.family}"
+        )
+    return model
