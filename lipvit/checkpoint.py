@@ -183,6 +183,11 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Check
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is not a file (nor a transformers ViT directory "
+            "with config.json)"
+        )
     if path.is_dir() or path.suffix == ".safetensors":
         return _foreign(path, device)
     if not path.is_file():
