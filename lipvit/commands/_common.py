@@ -35,7 +35,7 @@ from lipvit.files import atomic_path as atomic_path
 from lipvit.files import check_writable as check_writable
 from lipvit.files import to_jsonable as to_jsonable
 from lipvit.files import write_json as write_json
-from lipvit.train import resolve_device as resolve_device
+from lipvit.runtime import resolve_device as resolve_device
 
 SUBSAMPLE_SEED = 0
 
