@@ -22,27 +22,8 @@ import torch
 
 from lipvit.checkpoint import load_checkpoint
 from lipvit.data import load_dataset
-from lipvit.interop import save_hf
+from lipvit.interop import save_hf, small_transformers_vit
 from lipvit.train import evaluate, head_sigmas, train, train_config_for
-
-
-def random_hf_vit(directory: Path, seed: int) -> None:
-    """Save a small random transformers ViT that fits the digits dataset."""
-    import transformers
-
-    config = transformers.ViTConfig(
-        image_size=8,
-        patch_size=2,
-        num_channels=1,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=10,
-        qkv_bias=False,
-    )
-    torch.manual_seed(seed)
-    transformers.ViTForImageClassification(config).save_pretrained(directory)
 
 
 def main() -> None:
@@ -61,7 +42,7 @@ def main() -> None:
     directory = args.hf_dir
     if directory is None:
         directory = out / "random-vit"
-        random_hf_vit(directory, args.seed)
+        small_transformers_vit(args.seed).save_pretrained(directory)
     start = load_checkpoint(directory).model.float()
     data = load_dataset("digits")
 

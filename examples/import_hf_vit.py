@@ -22,34 +22,18 @@ from pathlib import Path
 
 import torch
 
-from analysis.spectrum import jacobian_spectrum
+from analysis import jacobian_spectrum
 from analysis.tightness import block_inputs
-from certify.certification import certified_radius, is_certified, margin
-from certify.lofast import lofast_bound
-from certify.network import network_bound
-from certify.specformer import specformer_bound
-from lipvit.checkpoint import load_checkpoint
-from lipvit.data import load_dataset
-
-
-def random_hf_vit(directory: Path, seed: int) -> None:
-    """Save a small random transformers ViT that fits the digits dataset."""
-    import transformers
-
-    config = transformers.ViTConfig(
-        image_size=8,
-        patch_size=2,
-        num_channels=1,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=10,
-        qkv_bias=False,
-    )
-    torch.manual_seed(seed)
-    model = transformers.ViTForImageClassification(config).eval()
-    model.save_pretrained(directory)
+from certify import (
+    certified_radius,
+    is_certified,
+    lofast_bound,
+    margin,
+    network_bound,
+    specformer_bound,
+)
+from lipvit import load_checkpoint, load_dataset
+from lipvit.interop import small_transformers_vit
 
 
 def main() -> None:
@@ -64,7 +48,7 @@ def main() -> None:
     directory = args.hf_dir
     if directory is None:
         directory = Path(tempfile.mkdtemp(prefix="lipvit-hf-")) / "vit"
-        random_hf_vit(directory, args.seed)
+        small_transformers_vit(args.seed).save_pretrained(directory)
     model = load_checkpoint(directory).model.double()
     data = load_dataset("digits")
     x, y = data.x_test[: args.n].double(), data.y_test[: args.n]

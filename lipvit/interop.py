@@ -642,6 +642,34 @@ def save_hf(model: ViT, directory: str | Path, force: bool = False) -> Path:
     return directory
 
 
+def small_transformers_vit(seed: int = 0, **config: Any) -> Any:
+    """A small random transformers ``ViTForImageClassification`` (no hub access).
+
+    Digits-sized by default (8×8 grayscale, 10 classes, ``D = 32``, 2 blocks,
+    4 heads, bias-free q/k/v, since the attention bounds refuse query/key
+    biases); ``config`` overrides any ``transformers.ViTConfig`` field. For
+    examples and experiments; needs the ``[hf]`` extra.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise LipvitError(f"this needs transformers: {INSTALL_HINT}") from None
+    base = dict(
+        image_size=8,
+        patch_size=2,
+        num_channels=1,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=10,
+        qkv_bias=False,
+    )
+    torch.manual_seed(seed)
+    hf_config = transformers.ViTConfig(**{**base, **config})
+    return transformers.ViTForImageClassification(hf_config).eval()
+
+
 # ---------------------------------------------------------------- dispatch
 
 
