@@ -404,3 +404,14 @@ def test_train_init_fine_tunes_an_imported_model(hf_dir: Path, tmp_path: Path) -
         tmp_path / "x.pt",
     )
     assert result.exit_code == 1 and "drop --embed-dim" in result.output
+
+
+def test_without_safetensors_the_error_says_how_to_install(tmp_path, monkeypatch):
+    import sys
+
+    path = tmp_path / "w.safetensors"
+    safetensors_torch.save_file({"x": torch.zeros(1)}, str(path))
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(LipvitError, match=r"pip install 'lipvit\[hf\]'"):
+        load_checkpoint(path)
