@@ -11,19 +11,19 @@ Everything else is internal to its submodule.
 from lipvit._lazy import lazy_getattr
 
 _PUBLIC = {
-    "weight_spectra": "analysis.spectrum",
-    "jacobian_spectrum": "analysis.spectrum",
-    "block_jacobian_sigma": "analysis.jacobian",
-    "layer_tightness": "analysis.tightness",
-    "network_tightness": "analysis.tightness",
-    "robust_accuracy": "analysis.attacks",
-    "perturb": "analysis.attacks",
-    "pgd_deviation": "analysis.pgd",
-    "plot_certified_accuracy": "analysis.plots",
-    "plot_jacobian_violin": "analysis.plots",
-    "plot_spectra": "analysis.plots",
-    "plot_tightness": "analysis.plots",
-    "save_figure": "analysis.plots",
+    "weight_spectra": ".spectrum",
+    "jacobian_spectrum": ".spectrum",
+    "block_jacobian_sigma": ".jacobian",
+    "layer_tightness": ".tightness",
+    "network_tightness": ".tightness",
+    "robust_accuracy": ".attacks",
+    "perturb": ".attacks",
+    "pgd_deviation": ".pgd",
+    "plot_certified_accuracy": ".plots",
+    "plot_jacobian_violin": ".plots",
+    "plot_spectra": ".plots",
+    "plot_tightness": ".plots",
+    "save_figure": ".plots",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -11,15 +11,15 @@ Everything else is internal to its submodule.
 from lipvit._lazy import lazy_getattr
 
 _PUBLIC = {
-    "NetworkBound": "certify.network",
-    "network_bound": "certify.network",
-    "CertifyReport": "certify.evaluate",
-    "certify_samples": "certify.evaluate",
-    "certified_radius": "certify.certification",
-    "is_certified": "certify.certification",
-    "margin": "certify.certification",
-    "lofast_bound": "certify.lofast",
-    "specformer_bound": "certify.specformer",
+    "NetworkBound": ".network",
+    "network_bound": ".network",
+    "CertifyReport": ".evaluate",
+    "certify_samples": ".evaluate",
+    "certified_radius": ".certification",
+    "is_certified": ".certification",
+    "margin": ".certification",
+    "lofast_bound": ".lofast",
+    "specformer_bound": ".specformer",
 }
 
 __all__ = sorted(_PUBLIC)

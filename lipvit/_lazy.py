@@ -13,11 +13,15 @@ from typing import Any
 
 
 def lazy_getattr(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` resolving ``names[attr]`` on first access."""
+    """A module ``__getattr__`` resolving ``names[attr]`` on first access.
+
+    Module names are relative to ``package`` (``".network"``), so a package
+    keeps working when it is installed under another name.
+    """
 
     def __getattr__(attr: str) -> Any:
         if attr not in names:
             raise AttributeError(f"module {package!r} has no attribute {attr!r}")
-        return getattr(importlib.import_module(names[attr]), attr)
+        return getattr(importlib.import_module(names[attr], package), attr)
 
     return __getattr__
