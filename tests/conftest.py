@@ -41,6 +41,13 @@ SLOW_TESTS = (
     "tests/test_certify.py::test_delta_out_bounds_pgd_on_whole_network[[]specformer-*]",
     "tests/test_examples.py::test_tightness_plot",
     "tests/test_examples.py::test_import_hf_vit",
+    "tests/test_attack_radius.py::test_affine_model_radius_is_the_boundary_distance"
+    "[[]apgd-t-15]",
+    "tests/test_attack_radius.py::test_affine_model_radius_is_the_boundary_distance"
+    "[[]cw-1]",
+    "tests/test_attack_radius.py::test_radius_is_a_verified_adversarial_distance",
+    "tests/test_attack_radius.py::test_lofast_certified_radius_is_below_the_attack*",
+    "tests/test_attacks.py::test_per_sample_consistency",
 )
 
 
