@@ -110,16 +110,16 @@ def quick_train(model: torch.nn.Module, data: Dataset, steps: int,
     return model.eval()
 
 
-TRAINED_EPOCHS = {"lipschitz": 8, "standard": 15}
+TRAINED_EPOCHS = {"lipschitz": 8, "standard": 4}
 
 
 @pytest.fixture(scope="session")
 def trained_ckpts(digits: Dataset, tmp_path_factory) -> dict[str, Path]:
     """One digits-tiny checkpoint per family, trained once for the whole session.
 
-    MSVP 1e-3 on q, k, v; 8 epochs (lipschitz) or 15 (standard): clean
-    accuracy well above chance (standard: > 70 %), so certificates and attacks
-    have something to test.
+    MSVP 1e-3 on q, k, v; 8 epochs (lipschitz) or 4 (standard): clean
+    accuracy well above chance, and the standard model still certifies some
+    points (longer training makes its bounds vacuous).
     Tests that need a trained model share these instead of training their own.
     """
     from lipvit.config import preset

@@ -7,19 +7,31 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+import lipvit
 from analysis import attacks as A
+from lipvit.data import load_dataset
 
 pytest.importorskip("torchattacks")
 
 
 @pytest.fixture(scope="module")
-def trained(trained_ckpts, digits):
-    """The session's trained standard digits-tiny ViT, and 64 test points."""
-    from lipvit.checkpoint import load_checkpoint
-
-    model = load_checkpoint(trained_ckpts["standard"]).model
-    return model, digits.x_test[:64], digits.y_test[:64]
+def trained():
+    """A standard digits-tiny ViT trained 300 steps, and 64 test points."""
+    torch.manual_seed(0)
+    data = load_dataset("digits")
+    model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        i = torch.randint(0, data.x_train.shape[0], (128,), generator=g)
+        loss = F.cross_entropy(model(data.x_train[i]), data.y_train[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model, data.x_test[:64], data.y_test[:64]
 
 
 def test_trained_model_is_accurate(trained):
