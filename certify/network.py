@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from certify.attention import value_output
+from certify.certification import float64_model
 from certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_is_identity,
@@ -281,15 +282,17 @@ def network_bound(model: ViT, x: Tensor, method: Method = "lofast") -> NetworkBo
     ``‖logits(x') − logits(x)‖₂`` for every ``‖x' − x‖₂ ≤ ε`` (image space, in
     the units of ``x``; the model's normalisation is included). With
     ``method="lofast-fast"`` the attention terms ζ and ‖M_h(X)‖ are
-    power-iteration estimates and the result is not a certificate.
+    power-iteration estimates and the result is not a certificate. A model in
+    lower precision is bounded through a float64 copy.
     """
     if method not in METHODS:
         raise ValueError(
             f"unknown bound method {method!r}; choose from {', '.join(METHODS)}"
         )
     check_dot_attention(model, f"the {method} network bound")
+    model = float64_model(model)  # certificates are computed in float64
     cfg = model.config
-    x = x.to(dtype=model.pos_embed.dtype)
+    x = x.to(dtype=torch.float64)
     steps = [
         LayerStep("normalize", _scale(1 / model.std.min())),
         LayerStep("patch_embed", _scale(linear_norm(model.patch_embed.proj.weight))),

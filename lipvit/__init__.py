@@ -1,17 +1,33 @@
-"""lipvit: train Vision Transformers with spectral penalties; certify robustness."""
+"""lipvit: train Vision Transformers with spectral penalties; certify robustness.
 
-from lipvit.config import PRESETS, ViTConfig, preset
-from lipvit.model import Attention, HeadBiases, HeadWeights, ViT
+Public entry points (``__all__``): models and presets, checkpoints (lipvit's own
+and imported ``transformers`` / timm-layout ViTs), datasets and training. The
+bounds live in :mod:`certify`, the analyses in :mod:`analysis`.
+"""
+
+from lipvit._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "PRESETS",
-    "Attention",
-    "HeadBiases",
-    "HeadWeights",
-    "ViT",
-    "ViTConfig",
-    "__version__",
-    "preset",
-]
+_PUBLIC = {
+    "PRESETS": ".config",
+    "ViTConfig": ".config",
+    "preset": ".config",
+    "ViT": ".model",
+    "Checkpoint": ".checkpoint",
+    "load_checkpoint": ".checkpoint",
+    "save_checkpoint": ".checkpoint",
+    "vit_from_hf": ".interop",
+    "vit_from_timm": ".interop",
+    "load_timm": ".interop",
+    "save_hf": ".interop",
+    "save_timm": ".interop",
+    "Dataset": ".data",
+    "load_dataset": ".data",
+    "TrainConfig": ".train",
+    "train": ".train",
+    "train_config_for": ".train",
+}
+
+__all__ = sorted([*_PUBLIC, "__version__"])
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

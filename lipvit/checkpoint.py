@@ -182,9 +182,13 @@ def _key_list(keys: list[str], show: int = 6) -> str:
 
 
 def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Checkpoint:
-    """Read a checkpoint written by :func:`save_checkpoint`.
+    """Read a checkpoint written by :func:`save_checkpoint`, or a foreign ViT.
 
-    Only ``torch.load(weights_only=True)`` is used: the file cannot run code.
+    Only ``torch.load(weights_only=True)`` (or safetensors) is used: the file
+    cannot run code. A transformers ``ViTForImageClassification`` directory or
+    a timm-layout ``.safetensors`` / torch file is imported too
+    (:mod:`lipvit.interop`); its record has no dataset, summary or MSVP state,
+    and ``raw["format"]`` names its origin.
 
     Raises:
         CheckpointError: the file is missing, truncated, not a torch file, a
@@ -194,6 +198,13 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Check
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is not a file (nor a transformers ViT directory "
+            "with config.json)"
+        )
+    if path.is_dir() or path.suffix == ".safetensors":
+        return _foreign(path, device)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} is not a file")
     try:
@@ -222,6 +233,12 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Check
             f"{path} is not a readable checkpoint (truncated, corrupt or not a torch "
             f"file: {_first_line(err)})"
         ) from err
+    if isinstance(raw, dict) and raw.get("format") != FORMAT:
+        from lipvit.interop import is_hf_layout, is_timm_layout
+
+        state = raw.get("state_dict", raw.get("model", raw))
+        if isinstance(state, dict) and (is_hf_layout(state) or is_timm_layout(state)):
+            return _foreign(path, device)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f"{path} is a torch file but not a lipvit checkpoint")
     version = raw.get("format_version")
@@ -258,4 +275,27 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Check
         msvp=raw.get("msvp"),
         version=str(raw.get("lipvit_version", "?")),
         raw=raw,
+    )
+
+
+def _foreign(path: Path, device: str | torch.device) -> Checkpoint:
+    """An imported transformers / timm ViT as a :class:`Checkpoint` record."""
+    from lipvit.interop import load_foreign
+
+    model, origin = load_foreign(path)
+    cfg = model.config
+    return Checkpoint(
+        path=path,
+        model=model.to(device).eval(),
+        config=cfg,
+        dataset=None,
+        summary=None,
+        train_config=None,
+        msvp=None,
+        version=origin,
+        raw={
+            "format": origin,
+            "model_config": cfg.to_dict(),
+            "normalization": {"mean": list(cfg.mean), "std": list(cfg.std)},
+        },
     )

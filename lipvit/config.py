@@ -42,6 +42,8 @@ class ViTConfig:
         attn_radius: radius of that projection (LoFAST: 1).
         v_cap: lipschitz family, bound on every head's ``‖W_v[h]‖`` (exact).
         o_cap: lipschitz family, bound on every head's ``‖W_o[h]‖`` (exact).
+        norm_eps: the LayerNorms' variance epsilon (standard family; torch's
+            default 1e-5, timm uses 1e-6 and transformers 1e-12).
         mean: per-channel normalisation mean applied inside the model (empty:
             0.5 for every channel).
         std: per-channel normalisation standard deviation (empty: 0.5 each).
@@ -73,6 +75,7 @@ class ViTConfig:
     attn_radius: float = 1.0
     v_cap: float = 0.5
     o_cap: float = 0.5
+    norm_eps: float = 1e-5
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     attention: AttentionKind = "dot"
@@ -130,6 +133,8 @@ class ViTConfig:
             )
         if not self.mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if not (isinstance(self.norm_eps, float | int) and self.norm_eps > 0):
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
         if not self.attn_radius > 0:
             raise ValueError(f"attn_radius must be > 0, got {self.attn_radius}")
         for name in ("v_cap", "o_cap"):

@@ -141,7 +141,8 @@ class Block(nn.Module):
         self.family = cfg.family
         self.attn = build_attention(cfg)
         if cfg.family == "standard":
-            self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            self.norm1 = nn.LayerNorm(D, eps=cfg.norm_eps)
+            self.norm2 = nn.LayerNorm(D, eps=cfg.norm_eps)
             self.mlp: nn.Module = MLP(D, cfg.mlp_hidden)
         else:
             self.norm1 = LayerProject(cfg.attn_radius, cfg.attn_project)
@@ -199,7 +200,7 @@ class ViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.randn(1, cfg.num_patches + 1, D) * 0.02)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         if cfg.family == "standard":
-            self.norm: nn.Module = nn.LayerNorm(D)
+            self.norm: nn.Module = nn.LayerNorm(D, eps=cfg.norm_eps)
             self.head = nn.Linear(D, cfg.num_classes)
         else:
             self.norm = LayerProject(math.sqrt(D), "token")

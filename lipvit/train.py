@@ -43,6 +43,7 @@ from lipvit.errors import CheckpointError, LipvitError
 from lipvit.files import write_json
 from lipvit.model import ViT
 from lipvit.msvp import MSVP, attention_modules
+from lipvit.runtime import cpu_threads, resolve_device  # noqa: F401 (re-exported)
 from lipvit.spectral import spectral_norm
 
 Optimizer = Literal["sgd", "adamw"]
@@ -254,23 +255,6 @@ class EpochLog(NamedTuple):
 # ---------------------------------------------------------------- helpers
 
 
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → cuda when available else cpu; otherwise ``torch.device(name)``.
-
-    Raises:
-        ValueError: an unparsable name, or cuda asked for where there is none.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
-    return device
-
-
 def head_sigmas(model: nn.Module) -> Tensor:
     """Exact σ_max of every head's ``W_q, W_k, W_v, W_o``: shape ``(L, 4, H)``.
 
@@ -476,31 +460,6 @@ def _deterministic(on: bool, device: torch.device) -> Iterator[None]:
         torch.backends.cudnn.benchmark = cudnn_before
 
 
-@contextlib.contextmanager
-def cpu_threads(model_cfg: ViTConfig, device: torch.device, threads: int = 0
-                ) -> Iterator[None]:
-    """Set the CPU thread count while working with a model of ``model_cfg``.
-
-    ``threads`` 0 chooses: one thread for models under a million parameters
-    (their matrices are too small to split, and spinning threads lose badly on
-    a shared machine), torch's default otherwise. No effect off the CPU.
-    """
-    if device.type != "cpu":
-        yield
-        return
-    n = threads
-    if n == 0:
-        with torch.device("meta"):
-            params = sum(p.numel() for p in ViT(model_cfg).parameters())
-        n = 1 if params < 1_000_000 else torch.get_num_threads()
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------- train
 
 
@@ -586,6 +545,7 @@ def train(
     force: bool = False,
     progress: bool = True,
     log: Logger | None = None,
+    init: ViT | None = None,
 ) -> dict[str, Any]:
     """Train a :class:`~lipvit.model.ViT` on ``dataset`` and save it to ``out``.
 
@@ -601,6 +561,8 @@ def train(
         progress: show a tqdm bar per epoch (on stderr).
         log: receives one line per epoch (and a line on resume); library code
             never prints.
+        init: start from this model's weights (fine-tuning, e.g. an imported
+            transformers ViT); its configuration must be ``model_cfg``.
 
     Returns:
         The summary dict written next to the checkpoint: final accuracies,
@@ -638,6 +600,8 @@ def train(
             f"dataset {dataset.name} has {dataset.in_chans}x{dataset.image_size}x"
             f"{dataset.image_size} and {dataset.num_classes}"
         )
+    if init is not None and getattr(init, "config", None) != model_cfg:
+        raise ValueError("init: the starting model's configuration is not model_cfg")
     emit = log if log is not None else (lambda line: None)
 
     rank, world, device = _distributed(train_cfg.device)
@@ -662,6 +626,7 @@ def train(
             rank,
             world,
             device,
+            init,
         )
 
 
@@ -677,9 +642,12 @@ def _train(
     rank: int,
     world: int,
     device: torch.device,
+    init: ViT | None,
 ) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = ViT(model_cfg).to(device)
+    if init is not None:
+        model.load_state_dict(init.state_dict())
     msvp = (
         MSVP(model, cfg.msvp, cfg.msvp_iters, seed=cfg.seed).to(device)
         if any(cfg.msvp)

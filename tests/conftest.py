@@ -7,7 +7,9 @@ machine.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,42 @@ from lipvit.config import ViTConfig
 from lipvit.data import Dataset, load_dataset
 
 torch.set_num_threads(1)
+
+# The slowest tests (by ``pytest --durations``), marked ``slow`` here in one
+# place: ``pytest -m "not slow"`` is the quick run (every module still runs,
+# most with their first seed or parameter), the plain ``pytest`` (CI) runs all.
+# Patterns are fnmatch patterns on node ids (``[[]`` is a literal ``[``).
+SLOW_TESTS = (
+    "tests/test_pipeline.py::*",
+    "tests/test_crown.py::test_logit_bounds_contain_sampled_and_attacked_points*",
+    "tests/test_crown.py::test_margin_bounds_are_below_attacked_margins*",
+    "tests/test_crown.py::test_certified_points_survive_attacks*",
+    "tests/test_crown.py::test_huge_ball_gives_sound_possibly_vacuous_bounds*",
+    "tests/test_certify.py::test_certified_points_survive_attacks*",
+    "tests/test_certify.py::test_certified_radius_is_sound*",
+    "tests/test_certify.py::test_delta_out_bounds_pgd_on_whole_network[[]*-[12]-*]",
+    "tests/test_specformer.py::test_network_bound_sound_for_near_zero*[[][12]]",
+    "tests/test_specformer.py::test_sound_when_input_norm_at_least_one[[][12]]",
+    "tests/test_lofast.py::test_sound_adversarial_scalings[[][1-9]-*]",
+    "tests/test_lofast.py::test_sound_random_layers[[][1-9]-*]",
+    "tests/test_certify.py::test_delta_out_bounds_pgd_on_whole_network[[]*-0-standard]",
+    "tests/test_certify.py::test_delta_out_bounds_pgd_on_whole_network[[]specformer-*]",
+    "tests/test_examples.py::test_tightness_plot",
+    "tests/test_examples.py::test_import_hf_vit",
+    "tests/test_attack_radius.py::test_affine_model_radius_is_the_boundary_distance"
+    "[[]apgd-t-15]",
+    "tests/test_attack_radius.py::test_affine_model_radius_is_the_boundary_distance"
+    "[[]cw-1]",
+    "tests/test_attack_radius.py::test_radius_is_a_verified_adversarial_distance",
+    "tests/test_attack_radius.py::test_lofast_certified_radius_is_below_the_attack*",
+    "tests/test_attacks.py::test_per_sample_consistency",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if any(fnmatch.fnmatchcase(item.nodeid, p) for p in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
 
 
 def tiny_config(family: str = "standard", **overrides) -> ViTConfig:
@@ -70,6 +108,31 @@ def quick_train(model: torch.nn.Module, data: Dataset, steps: int,
         loss.backward()
         opt.step()
     return model.eval()
+
+
+TRAINED_EPOCHS = {"lipschitz": 8, "standard": 4}
+
+
+@pytest.fixture(scope="session")
+def trained_ckpts(digits: Dataset, tmp_path_factory) -> dict[str, Path]:
+    """One digits-tiny checkpoint per family, trained once for the whole session.
+
+    MSVP 1e-3 on q, k, v; 8 epochs (lipschitz) or 4 (standard): clean
+    accuracy well above chance, and the standard model still certifies some
+    points (longer training makes its bounds vacuous).
+    Tests that need a trained model share these instead of training their own.
+    """
+    from lipvit.config import preset
+    from lipvit.train import train, train_config_for
+
+    root = tmp_path_factory.mktemp("trained")
+    paths = {}
+    for family, epochs in TRAINED_EPOCHS.items():
+        cfg = preset("digits-tiny", family=family, mean=digits.mean, std=digits.std)
+        tcfg = train_config_for(family, epochs=epochs, device="cpu", msvp=(1e-3,) * 3)
+        paths[family] = root / f"{family}.pt"
+        train(cfg, tcfg, digits, paths[family], progress=False)
+    return paths
 
 
 def pgd_lipschitz_ratio(

@@ -14,26 +14,12 @@ from certify.certification import certified_radius, is_certified, margin
 from certify.evaluate import certify_samples
 from certify.network import class_row_sensitivity, network_bound
 from lipvit.checkpoint import load_checkpoint
-from lipvit.data import load_dataset
-from lipvit.train import train, train_config_for
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
 
 
 @pytest.fixture(scope="module", params=["lipschitz", "standard"])
-def trained(request, digits, tmp_path_factory):
-    """A tiny model of each family trained briefly on digits, in float64."""
-    family = request.param
-    cfg = lipvit.preset("digits-tiny", family=family, mean=digits.mean, std=digits.std)
-    out = tmp_path_factory.mktemp(family) / "model.pt"
-    tcfg = train_config_for(
-        family, epochs=8 if family == "lipschitz" else 4, device="cpu", msvp=(1e-3,) * 3
-    )
-    train(cfg, tcfg, digits, out, progress=False)
-    return load_checkpoint(out).model.double()
+def trained(request, trained_ckpts):
+    """The session's trained digits-tiny model of each family, in float64."""
+    return load_checkpoint(trained_ckpts[request.param]).model.double()
 
 
 def _random_model(family: str, seed: int, qk_scale: float = 1.0) -> lipvit.ViT:

@@ -9,28 +9,18 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import quick_train
 
-import lipvit
-from lipvit.checkpoint import save_checkpoint
 from lipvit.cli import main
 from lipvit.commands import _common as C
-from lipvit.data import load_dataset
 
 pytest.importorskip("torchattacks")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A standard digits-tiny checkpoint, briefly trained (clean accuracy well above
-    chance, so attacks have something to break)."""
-    torch.manual_seed(0)
-    data = load_dataset("digits")
-    model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
-    model = quick_train(model, data, 80)
-    path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
-    save_checkpoint(path, model, dataset="digits")
-    return path
+def ckpt(trained_ckpts):
+    """The session's trained standard digits-tiny checkpoint (clean accuracy well
+    above chance, so attacks have something to break)."""
+    return trained_ckpts["standard"]
 
 
 def run(*args: str):

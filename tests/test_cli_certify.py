@@ -8,19 +8,12 @@ import json
 import pytest
 from click.testing import CliRunner
 
-import lipvit
 from lipvit.cli import main
-from lipvit.train import train, train_config_for
 
 
 @pytest.fixture(scope="module")
-def ckpt(digits, tmp_path_factory):
-    cfg = lipvit.preset("digits-tiny", family="lipschitz", mean=digits.mean,
-                        std=digits.std)
-    out = tmp_path_factory.mktemp("cli_certify") / "lip.pt"
-    train(cfg, train_config_for("lipschitz", epochs=3, device="cpu"), digits, out,
-          progress=False)
-    return out
+def ckpt(trained_ckpts):
+    return trained_ckpts["lipschitz"]
 
 
 def test_certify_writes_schema_and_agrees_with_table(ckpt, tmp_path):

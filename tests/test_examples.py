@@ -37,6 +37,8 @@ def test_every_example_is_tested():
         "certify_batch.py",
         "tightness_plot.py",
         "compare_attention.py",
+        "import_hf_vit.py",
+        "finetune_hf_msvp.py",
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -102,3 +104,28 @@ def test_compare_attention(monkeypatch, capsys, tmp_path):
     assert models == ["dot", "dot-msvp", "scsa", "scsa-msvp"]
     assert (tmp_path / "jacobian.png").is_file()
     assert "per-block Jacobian figure:" in out
+
+
+def test_import_hf_vit(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    out = run_example("import_hf_vit.py", ["--n", "4"], monkeypatch, capsys)
+    diff = float(out.split("vs transformers (float64): ")[1].split()[0])
+    assert diff <= 1e-10
+    rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert [r[0] for r in rows] == ["0", "1"]
+    for _, sigma, spec, lofast in rows:
+        assert float(sigma) > 0 and float(spec) > 0 and float(lofast) > 0
+    assert "network (LoFAST): clean accuracy" in out
+
+
+@pytest.mark.slow
+def test_finetune_hf_msvp(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("LIPVIT_EXAMPLE_EPOCHS", "1")
+    out = run_example(
+        "finetune_hf_msvp.py", ["--out", str(tmp_path)], monkeypatch, capsys
+    )
+    assert "imported" in out and "fine-tuned" in out
+    diff = float(out.split("in transformers ")[1].split()[0])
+    assert diff <= 1e-5
+    assert (tmp_path / "finetuned-hf" / "model.safetensors").is_file()

@@ -7,6 +7,7 @@ import click
 from lipvit.commands.attack import attack
 from lipvit.commands.certify import certify
 from lipvit.commands.compare import compare
+from lipvit.commands.export import export
 from lipvit.commands.features import features
 from lipvit.commands.info import info_command
 from lipvit.commands.pipeline import pipeline
@@ -25,3 +26,4 @@ COMMANDS: list[click.Command] = [
 ]
 COMMANDS += [tightness, spectrum, pipeline]
 COMMANDS += [compare]
+COMMANDS += [export]

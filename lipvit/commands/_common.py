@@ -36,7 +36,7 @@ from lipvit.files import check_output_dir as check_output_dir
 from lipvit.files import check_writable as check_writable
 from lipvit.files import to_jsonable as to_jsonable
 from lipvit.files import write_json as write_json
-from lipvit.train import resolve_device as resolve_device
+from lipvit.runtime import resolve_device as resolve_device
 
 SUBSAMPLE_SEED = 0
 
@@ -47,8 +47,9 @@ def ckpt_option(multiple: bool = False) -> Callable:
     """``--ckpt PATH`` (required; repeatable with ``multiple``)."""
     return click.option(
         "--ckpt", "ckpt", required=True, multiple=multiple,
-        type=click.Path(dir_okay=False, path_type=Path),
-        help="checkpoint written by `lipvit train`"
+        type=click.Path(path_type=Path),
+        help="checkpoint written by `lipvit train`, a transformers ViT directory "
+        "or timm-layout weights (.safetensors/.pth with a .json beside)"
         + (" (repeatable)" if multiple else ""))
 
 
@@ -147,6 +148,9 @@ def load_test_set(ckpt: Any, *, n: int | None = None, dataset: str | None = None
         got = tuple(data.x_test.shape[1:])
         raise ValueError(f"dataset {name!r} has images of shape {got}; "
                          f"the model expects {expected}")
+    if cfg.num_classes != data.num_classes:
+        raise ValueError(f"dataset {name!r} has {data.num_classes} classes; "
+                         f"the model outputs {cfg.num_classes}")
     index = subsample(int(data.x_test.shape[0]), n)
     idx = torch.as_tensor(index, device=data.x_test.device)
     return TestSet(x=data.x_test[idx], y=data.y_test[idx], index=index,

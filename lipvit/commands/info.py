@@ -20,6 +20,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     msvp = ckpt.msvp
     return {
         "path": str(path),
+        "origin": ckpt.raw.get("format"),
         "lipvit_version": ckpt.version,
         "format_version": ckpt.raw.get("format_version", FORMAT_VERSION),
         "dataset": ckpt.dataset,
@@ -67,7 +68,7 @@ def _fmt(value: Any) -> str:
     "path",
     type=click.Path(path_type=Path),
     required=True,
-    help="Checkpoint written by lipvit train.",
+    help="Checkpoint written by lipvit train, or a transformers/timm ViT.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def info_command(path: Path, as_json: bool) -> None:
@@ -77,8 +78,11 @@ def info_command(path: Path, as_json: bool) -> None:
         click.echo(json.dumps(d, indent=2))
         return
     cfg = d["model_config"]
+    foreign = d["origin"] in ("transformers", "timm")
     lines = [
-        f"checkpoint   {d['path']} (lipvit {d['lipvit_version']}, "
+        f"checkpoint   {d['path']} (imported {d['origin']} ViT)"
+        if foreign
+        else f"checkpoint   {d['path']} (lipvit {d['lipvit_version']}, "
         f"format {d['format_version']})",
         f"dataset      {d['dataset']}",
         f"model        {cfg['family']} ViT: "
@@ -94,7 +98,9 @@ def info_command(path: Path, as_json: bool) -> None:
             + ", ".join(f"{k}={_fmt(v)}" for k, v in d["train_config"].items())
         )
     s = d["summary"]
-    if s is None:
+    if s is None and foreign:
+        lines.append("status       imported (not trained by lipvit)")
+    elif s is None:
         done = d["epochs_done"]
         lines.append(
             f"status       unfinished ({done} epochs saved; resume with "

@@ -216,6 +216,15 @@ def _defaults_help(name: str) -> str:
     show_default=True,
     help="Checkpoint; the JSON summary goes next to it.",
 )
+@click.option(
+    "--init",
+    "init_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Fine-tune from these weights (a lipvit checkpoint, a transformers ViT "
+    "directory or timm-layout weights); the architecture and input "
+    "normalisation come from them.",
+)
 @click.option("--resume", is_flag=True, help="Continue the run saved at --out.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --out.")
 @click.option(
@@ -230,6 +239,7 @@ def train_command(
     preset_name: str | None,
     family: str,
     out: Path,
+    init_path: Path | None,
     resume: bool,
     force: bool,
     progress: bool,
@@ -270,17 +280,22 @@ def train_command(
     for k in size_keys:
         options.pop(k, None)
     data = load_dataset(dataset, data_dir)
-    name = preset_name or DEFAULT_PRESET.get((dataset, family), FALLBACK_PRESET)
-    model_cfg = preset(
-        name,
-        family=family,
-        image_size=data.image_size,
-        in_chans=data.in_chans,
-        num_classes=data.num_classes,
-        mean=data.mean,
-        std=data.std,
-        **size,
-    )
+    init = None
+    if init_path is not None:
+        init = _init_model(init_path, preset_name, size, family)
+        model_cfg = init.config
+    else:
+        name = preset_name or DEFAULT_PRESET.get((dataset, family), FALLBACK_PRESET)
+        model_cfg = preset(
+            name,
+            family=family,
+            image_size=data.image_size,
+            in_chans=data.in_chans,
+            num_classes=data.num_classes,
+            mean=data.mean,
+            std=data.std,
+            **size,
+        )
     lambdas = tuple(
         msvp_all if lam is None else lam for lam in (msvp_q, msvp_k, msvp_v)
     )
@@ -294,6 +309,7 @@ def train_command(
         force=force,
         progress=progress,
         log=click.echo,
+        init=init,
     )
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return
@@ -308,3 +324,23 @@ def train_command(
         f"saved {out} and {summary_path(out)}: test accuracy "
         f"{100 * summary['test_acc']:.1f}%, {sigma}, {summary['seconds']:.0f} s"
     )
+
+
+def _init_model(path: Path, preset_name: str | None, size: dict, family: str) -> Any:
+    """The model ``--init`` names; it fixes the architecture, so size flags clash."""
+    from lipvit.checkpoint import load_checkpoint
+
+    if preset_name is not None or size:
+        given = ["--preset"] * (preset_name is not None) + [
+            "--" + k.replace("_", "-") for k in size
+        ]
+        raise ValueError(
+            f"--init takes the architecture from {path}; drop {', '.join(given)}"
+        )
+    model = load_checkpoint(path).model.float()
+    if model.config.family != family:
+        raise ValueError(
+            f"--init {path} is a {model.config.family} model; pass "
+            f"--family {model.config.family}"
+        )
+    return model

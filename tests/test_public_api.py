@@ -1,0 +1,84 @@
+"""Public surface of lipvit, certify and analysis (pinned); certification precision."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from conftest import tiny_config
+
+PUBLIC = {
+    "lipvit": [
+        "Checkpoint", "Dataset", "PRESETS", "TrainConfig", "ViT", "ViTConfig",
+        "__version__", "load_checkpoint", "load_dataset", "load_timm", "preset",
+        "save_checkpoint", "save_hf", "save_timm", "train", "train_config_for",
+        "vit_from_hf", "vit_from_timm",
+    ],
+    "certify": [
+        "CertifyReport", "NetworkBound", "certified_radius", "certify_samples",
+        "is_certified", "lofast_bound", "margin", "network_bound",
+        "specformer_bound",
+    ],
+    "analysis": [
+        "block_jacobian_sigma", "jacobian_spectrum", "layer_tightness",
+        "network_tightness", "perturb", "pgd_deviation", "plot_certified_accuracy",
+        "plot_jacobian_violin", "plot_spectra", "plot_tightness", "robust_accuracy",
+        "save_figure", "weight_spectra",
+    ],
+}
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_public_names_are_pinned_and_resolve(package: str) -> None:
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(PUBLIC[package])
+    for name in module.__all__:
+        value = getattr(module, name)
+        if callable(value):
+            assert (value.__doc__ or "").strip(), f"{package}.{name} has no docstring"
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
+
+
+def test_public_names_do_not_hide_submodules() -> None:
+    import analysis.spectrum
+    import certify.lofast
+
+    assert analysis.spectrum.__name__ == "analysis.spectrum"
+    assert certify.lofast.__name__ == "certify.lofast"
+
+
+def test_certification_runs_in_float64_whatever_the_model_dtype(digits) -> None:
+    import certify
+    import lipvit
+
+    torch.manual_seed(0)
+    model32 = lipvit.ViT(tiny_config("lipschitz")).eval()
+    model64 = lipvit.ViT(tiny_config("lipschitz")).eval()
+    model64.load_state_dict(model32.state_dict())
+    model64 = model64.double()
+    x, y = digits.x_test[:6], digits.y_test[:6]
+    b32 = certify.network_bound(model32, x)
+    b64 = certify.network_bound(model64, x.double())
+    assert next(model32.parameters()).dtype == torch.float32  # left untouched
+    assert b32.logits.dtype == torch.float64
+    assert torch.equal(b32.delta_out(0.01), b64.delta_out(0.01))
+    r32 = certify.certify_samples(model32, x, y, ["lofast"], [0.01], radius=True)
+    r64 = certify.certify_samples(model64, x, y, ["lofast"], [0.01], radius=True)
+    assert torch.equal(r32.radii["lofast"], r64.radii["lofast"])
+    assert torch.equal(r32.margins, r64.margins)
+
+
+def test_certificates_round_in_the_safe_direction() -> None:
+    from certify.certification import ROUNDING, certified_margin, is_certified
+
+    m = torch.tensor([1.0], dtype=torch.float64)
+    # Exactly at the threshold M = √2 δ: not certified, nor just below it.
+    delta = m / 2**0.5
+    assert not bool(is_certified(m, delta))
+    assert not bool(is_certified(m, delta * (1 - ROUNDING / 10)))
+    assert bool(is_certified(m, delta * (1 - 10 * ROUNDING)))
+    logits = torch.tensor([[1e3, 1e3 - 1.0]], dtype=torch.float64)
+    lowered = certified_margin(logits, torch.tensor([0]))
+    assert float(lowered) == pytest.approx(1.0 - ROUNDING * 1e3) and lowered < 1.0
