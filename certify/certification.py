@@ -40,34 +40,63 @@ def certified_radius(
     max_radius: float = 10.0,
     max_iter: int = 60,
 ) -> Tensor:
-    """Largest certified ε per sample, by bisection on the monotone ``δ_out(x, ε)``.
+    """Largest ε with ``M(x) > √2 δ_out(x, ε)`` per sample (Prop. 1), by bisection.
+
+    ``delta_out``: ``ε (B,) ↦ δ_out (B,)``, non-decreasing in ε. See
+    :func:`bisect_radius` for the other arguments and the result.
+    """
+    return bisect_radius(
+        lambda eps: is_certified(margins, delta_out(eps)),
+        margins > 0,
+        dtype=margins.dtype,
+        tol=tol,
+        max_radius=max_radius,
+        max_iter=max_iter,
+    )
+
+
+def bisect_radius(
+    certified: Callable[[Tensor], Tensor],
+    candidates: Tensor,
+    *,
+    dtype: torch.dtype = torch.float64,
+    tol: float = 1e-4,
+    max_radius: float = 10.0,
+    max_iter: int = 60,
+) -> Tensor:
+    """Largest certified ε per sample by bisection, for any certificate.
 
     Args:
-        margins: ``(B,)`` clean margins.
-        delta_out: ``ε (B,) ↦ δ_out (B,)``, non-decreasing in ε.
+        certified: ``ε (B,) ↦ (B,)`` bool, whether the ε-ball is certified
+            (any sound method: Prop. 1, ``taylor``, ...); expected to be
+            monotone (true below some radius, false above), which only affects
+            how large the result is, never its soundness.
+        candidates: ``(B,)`` bool, the samples worth searching (e.g. correctly
+            classified ones); the others get radius 0.
         tol: the bracket is shrunk until ``hi − lo ≤ tol`` (absolute).
         max_radius: upper end of the search (a radius at or above it is
             reported as ``max_radius`` only if certified there).
         max_iter: cap on bisection steps.
+        dtype: dtype of the radii (every tried ε is exactly representable).
 
     Returns:
         ``(B,)`` radii: the lower end of the final bracket, a value at which the
-        point **is** certified (0 for points that are not certified anywhere,
-        including misclassified ones). Sound: ``r > 0`` implies certification on
-        the ball of radius ``r``.
+        point **is** certified (0 for points that are not certified anywhere).
+        Sound: ``r > 0`` implies ``certified(r)``, i.e. certification on the
+        ball of radius ``r``.
     """
     if not tol > 0 or not max_radius > 0:
         raise ValueError("tol and max_radius must be > 0")
-    lo = torch.zeros_like(margins)
-    hi = torch.full_like(margins, max_radius)
-    top = is_certified(margins, delta_out(hi))
+    lo = torch.zeros(candidates.shape, dtype=dtype, device=candidates.device)
+    hi = torch.full_like(lo, max_radius)
+    top = certified(hi) & candidates
     lo = torch.where(top, hi, lo)
     for _ in range(max_iter):
-        open_ = (hi - lo > tol) & ~top & (margins > 0)
+        open_ = (hi - lo > tol) & ~top & candidates
         if not bool(open_.any()):
             break
         mid = (lo + hi) / 2
-        ok = is_certified(margins, delta_out(mid))
+        ok = certified(mid)
         lo = torch.where(open_ & ok, mid, lo)
         hi = torch.where(open_ & ~ok, mid, hi)
-    return torch.where(margins > 0, lo, torch.zeros_like(lo))
+    return torch.where(candidates, lo, torch.zeros_like(lo))

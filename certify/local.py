@@ -72,7 +72,11 @@ def _check_tokens(X: Tensor) -> None:
 
 
 def layernorm_local_lipschitz(
-    X: Tensor, gamma: Tensor | None, eta: float, eps: float | Tensor
+    X: Tensor,
+    gamma: Tensor | None,
+    eta: float,
+    eps: float | Tensor,
+    per_token: bool = False,
 ) -> Tensor:
     """Local Lipschitz constant of LayerNorm on the ε-ball, MATH.md §6 (extension).
 
@@ -94,9 +98,10 @@ def layernorm_local_lipschitz(
         gamma: LayerNorm weight ``(D,)``, or ``None`` for ``γ = 1``.
         eta: LayerNorm epsilon η ≥ 0 (``nn.LayerNorm.eps``).
         eps: Frobenius radius ε ≥ 0, a float or ``(B,)``.
+        per_token: return every token's constant ``L_LN(x_i, ε)``, ``(B, N)``.
 
     Returns:
-        ``(B,)`` tensor in ``X``'s dtype.
+        ``(B,)`` tensor in ``X``'s dtype (``(B, N)`` with ``per_token``).
     """
     _check_tokens(X)
     if not (math.isfinite(eta) and eta >= 0):
@@ -108,7 +113,7 @@ def layernorm_local_lipschitz(
     c_norm = torch.linalg.vector_norm(X - X.mean(-1, keepdim=True), dim=-1)  # (B, N)
     lower = (c_norm - eps_b[:, None]).clamp_min(0)  # (B, N): min ‖c'‖ on the ball
     L = g_inf * math.sqrt(D) / (lower.square() + D * eta).sqrt()  # (B, N)
-    return L.amax(-1)
+    return L if per_token else L.amax(-1)
 
 
 def _vector_norms(X: Tensor, mode: Mode) -> Tensor:
@@ -126,7 +131,11 @@ def _check_radius(radius: float) -> None:
 
 
 def layer_project_local_lipschitz(
-    X: Tensor, radius: float, eps: float | Tensor, mode: Mode = "token"
+    X: Tensor,
+    radius: float,
+    eps: float | Tensor,
+    mode: Mode = "token",
+    per_token: bool = False,
 ) -> Tensor:
     """Local Lipschitz constant of LayerProject (LoFAST eq. 29) on the ε-ball.
 
@@ -145,6 +154,8 @@ def layer_project_local_lipschitz(
         radius: ``R > 0``.
         eps: Frobenius radius ε ≥ 0, a float or ``(B,)``.
         mode: ``"token"`` or ``"frobenius"`` (as ``lipvit.layers.LayerProject``).
+        per_token: return each projected vector's constant, ``(B, N)`` (token)
+            or ``(B, 1)`` (frobenius).
 
     Returns:
         ``(B,)`` tensor in ``X``'s dtype, values in ``(0, 1]``.
@@ -154,7 +165,7 @@ def layer_project_local_lipschitz(
     eps_b = _eps_per_sample(eps, X)  # (B,)
     gap = _vector_norms(X, mode) - eps_b[:, None]  # (B, N) or (B, 1): min ‖y‖ on ball
     L = torch.where(gap > radius, radius / gap.clamp_min(radius), torch.ones_like(gap))
-    return L.amax(-1)
+    return L if per_token else L.amax(-1)
 
 
 def layer_project_is_identity(
