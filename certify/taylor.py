@@ -329,6 +329,7 @@ def _lipschitz_block(
     P1, P2 = block.norm1, block.norm2
     n1, n_mid = _vector_norms(X, P1.mode), _vector_norms(X_mid, "token")
     zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
+    L1_0 = layer_project_local_lipschitz(X, P1.radius, zero, P1.mode)  # ‖J_P₁‖ (B,)
     L2_0 = layer_project_local_lipschitz(
         X_mid, P2.radius, zero, "token", per_token=True
     )
@@ -349,9 +350,10 @@ def _lipschitz_block(
         r1_norm = r1.norm(b.all)
         # The attention's input moves by J_{p←x}Γ + J_P₁(propagated) + r_P₁.
         L1 = layer_project_local_lipschitz(X, P1.radius, b.all, P1.mode)
-        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + b.acc + r1_norm)
+        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + L1_0 * b.acc + r1_norm)
         r_a = attention_remainder(terms, b_p)
-        mid = _budget(e, jn, m_mid, (1 + J_a) * b.acc + r_a + J_a * r1_norm, chain_mid)
+        acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm  # λ = 1 + ‖J_a‖‖J_P₁‖
+        mid = _budget(e, jn, m_mid, acc_mid, chain_mid)
         r2 = layer_project_remainder(n_mid, P2.radius, mid.token)
         # Each unit: |Δz_ti| ≤ ‖∇z_ti‖ε + ‖w_i‖(‖J_P₂‖ acc + ρ_P₂,t).
         prop = L2_0 * mid.acc[:, None] + r2.at(mid.token)  # (B, N)
@@ -364,13 +366,11 @@ def _lipschitz_block(
         # norm of the Jacobian of the units that can flip (docs/taylor.md §5).
         # (|Δz| − |z|)₊ ≤ s |Δz| with s = (1 − |z|/δ)₊ (convexity, |Δz| ≤ δ).
         flip = (1 - z.abs() / delta.clamp_min(1e-300)).clamp_min(0)  # (B, N, m)
-        joint = jn.act_norm(k, flip) * e + W_norm * torch.linalg.vector_norm(
-            prop, dim=-1
-        )
+        # The propagated part is jointly ≤ ‖W‖(max_t ‖J_P₂,t‖ acc + ‖r_P₂‖_F).
+        r2_all = torch.linalg.vector_norm(r2.at(mid.token), dim=-1)
+        joint = jn.act_norm(k, flip) * e + W_norm * (L2_0.amax(-1) * mid.acc + r2_all)
         per_unit = torch.linalg.vector_norm(relu_remainder(z, delta), dim=-1)
-        mlp_sub = out_norm * torch.minimum(per_unit, joint) + torch.linalg.vector_norm(
-            r2.at(mid.token), dim=-1
-        )
+        mlp_sub = out_norm * torch.minimum(per_unit, joint) + r2_all
         out = _budget(e, jn, m_mid + 1, mid.acc + mlp_sub, chain_out)  # λ_SLL ≤ 1
         sites = {
             "norm1": r1.weighted(w1, b.all, caps1),
