@@ -67,11 +67,45 @@ def certified_radius(
     max_iter: int = 100,
     certified_at: Sequence[tuple[float, Tensor]] = (),
 ) -> Tensor:
-    """Largest certified ε per sample, by bisection on the monotone ``δ_out(x, ε)``.
+    """Largest ε with ``M(x) > √2 δ_out(x, ε)`` per sample (Prop. 1), by bisection.
+
+    ``margins``: ``(B,)`` clean margins; ``delta_out``: ``ε (B,) ↦ δ_out (B,)``,
+    non-decreasing in ε. See :func:`bisect_radius` for the other arguments and
+    the result.
+    """
+    return bisect_radius(
+        lambda eps: is_certified(margins, delta_out(eps)),
+        margins > 0,
+        dtype=margins.dtype,
+        rtol=rtol,
+        tol=tol,
+        max_radius=max_radius,
+        max_iter=max_iter,
+        certified_at=certified_at,
+    )
+
+
+def bisect_radius(
+    certified: Callable[[Tensor], Tensor],
+    candidates: Tensor,
+    *,
+    dtype: torch.dtype = torch.float64,
+    rtol: float = 1e-3,
+    tol: float = 0.0,
+    max_radius: float = 10.0,
+    max_iter: int = 100,
+    certified_at: Sequence[tuple[float, Tensor]] = (),
+) -> Tensor:
+    """Largest certified ε per sample by bisection, for any certificate.
 
     Args:
-        margins: ``(B,)`` clean margins.
-        delta_out: ``ε (B,) ↦ δ_out (B,)``, non-decreasing in ε.
+        certified: ``ε (B,) ↦ (B,)`` bool, whether the ε-ball is certified
+            (any sound method: Prop. 1, ``taylor``, ...); expected to be
+            monotone (true below some radius, false above), which only affects
+            how large the result is, never its soundness.
+        candidates: ``(B,)`` bool, the samples worth searching (e.g. correctly
+            classified ones); the others get radius 0.
+        dtype: dtype of the radii.
         rtol: the bracket is shrunk until ``hi − lo ≤ max(rtol · hi, tol)``
             (relative by default: a radius is within ``rtol`` of the largest
             certified ε, whatever its size).
@@ -80,34 +114,34 @@ def certified_radius(
             reported as ``max_radius`` only if certified there).
         max_iter: cap on bisection steps.
         certified_at: ``(ε, certified (B,) bool)`` pairs already decided with
-            the same ``delta_out`` (e.g. the per-ε results): the bisection
+            the same certificate (e.g. the per-ε results): the bisection
             starts from the largest certified ε and below the smallest
             uncertified one, so a point certified at a listed ε gets a radius
             ``≥ ε`` and one not certified there a radius ``< ε``.
 
     Returns:
         ``(B,)`` radii: the lower end of the final bracket, a value at which the
-        point **is** certified (0 for points that are not certified anywhere,
-        including misclassified ones). Sound: ``r > 0`` implies certification on
-        the ball of radius ``r``.
+        point **is** certified (0 for points that are not certified anywhere).
+        Sound: ``r > 0`` implies ``certified(r)``, i.e. certification on the
+        ball of radius ``r``.
     """
     if not (rtol >= 0 and tol >= 0 and (rtol > 0 or tol > 0)) or not max_radius > 0:
         raise ValueError("rtol, tol must be >= 0 (one > 0) and max_radius > 0")
-    lo = torch.zeros_like(margins)
-    hi = torch.full_like(margins, max_radius)
+    lo = torch.zeros(candidates.shape, dtype=dtype, device=candidates.device)
+    hi = torch.full_like(lo, max_radius)
     for eps, ok in certified_at:
-        e = torch.full_like(margins, float(eps))
+        e = torch.full_like(lo, float(eps))
         lo = torch.where(ok & (e > lo) & (e <= hi), e, lo)
         hi = torch.where(~ok & (e < hi) & (e > lo), e, hi)
-    top = (hi == max_radius) & is_certified(margins, delta_out(hi))
+    top = (hi == max_radius) & certified(hi) & candidates
     lo = torch.where(top, hi, lo)
     for _ in range(max_iter):
         width = torch.maximum(rtol * hi, torch.full_like(hi, tol))
-        open_ = (hi - lo > width) & ~top & (margins > 0)
+        open_ = (hi - lo > width) & ~top & candidates
         if not bool(open_.any()):
             break
         mid = (lo + hi) / 2
-        ok = is_certified(margins, delta_out(mid))
+        ok = certified(mid)
         lo = torch.where(open_ & ok, mid, lo)
         hi = torch.where(open_ & ~ok, mid, hi)
-    return torch.where(margins > 0, lo, torch.zeros_like(lo))
+    return torch.where(candidates, lo, torch.zeros_like(lo))

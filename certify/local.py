@@ -86,7 +86,11 @@ def _check_tokens(X: Tensor) -> None:
 
 
 def layernorm_local_lipschitz(
-    X: Tensor, gamma: Tensor | None, eta: float, eps: float | Tensor
+    X: Tensor,
+    gamma: Tensor | None,
+    eta: float,
+    eps: float | Tensor,
+    per_token: bool = False,
 ) -> Tensor:
     """Local Lipschitz constant of LayerNorm on the ε-ball, docs/math.md §6 (extension).
 
@@ -108,9 +112,10 @@ def layernorm_local_lipschitz(
         gamma: LayerNorm weight ``(D,)``, or ``None`` for ``γ = 1``.
         eta: LayerNorm epsilon η ≥ 0 (``nn.LayerNorm.eps``).
         eps: Frobenius radius ε ≥ 0, a float or ``(B,)``.
+        per_token: return every token's constant ``L_LN(x_i, ε)``, ``(B, N)``.
 
     Returns:
-        ``(B,)`` tensor in ``X``'s dtype.
+        ``(B,)`` tensor in ``X``'s dtype (``(B, N)`` with ``per_token``).
     """
     _check_tokens(X)
     if not (math.isfinite(eta) and eta >= 0):
@@ -123,7 +128,8 @@ def layernorm_local_lipschitz(
     c_low, _ = _norm_range(c_norm, D)  # exact ‖c‖ ≥ c_low
     lower = (c_low - eps_b[:, None]).clamp_min(0)  # (B, N): min ‖c'‖ on the ball
     L = g_inf * math.sqrt(D) / (lower.square() + D * eta).sqrt()  # (B, N)
-    return L.amax(-1) * (1 + gamma_k(8))  # the rounding of these few operations
+    L = L * (1 + gamma_k(8))  # the rounding of these few operations
+    return L if per_token else L.amax(-1)
 
 
 def _vector_norms(X: Tensor, mode: Mode) -> Tensor:
@@ -146,7 +152,11 @@ def _check_radius(radius: float) -> None:
 
 
 def layer_project_local_lipschitz(
-    X: Tensor, radius: float, eps: float | Tensor, mode: Mode = "token"
+    X: Tensor,
+    radius: float,
+    eps: float | Tensor,
+    mode: Mode = "token",
+    per_token: bool = False,
 ) -> Tensor:
     """Local Lipschitz constant of LayerProject (LoFAST eq. 29) on the ε-ball.
 
@@ -165,6 +175,8 @@ def layer_project_local_lipschitz(
         radius: ``R > 0``.
         eps: Frobenius radius ε ≥ 0, a float or ``(B,)``.
         mode: ``"token"`` or ``"frobenius"`` (as ``lipvit.layers.LayerProject``).
+        per_token: return each projected vector's constant, ``(B, N)`` (token)
+            or ``(B, 1)`` (frobenius).
 
     Returns:
         ``(B,)`` tensor in ``X``'s dtype, values in ``(0, 1]``.
@@ -175,7 +187,8 @@ def layer_project_local_lipschitz(
     low, _ = _norm_range(_vector_norms(X, mode), _vector_size(X, mode))
     gap = low - eps_b[:, None]  # (B, N) or (B, 1): min ‖y‖ on the ball
     L = torch.where(gap > radius, radius / gap.clamp_min(radius), torch.ones_like(gap))
-    return (L.amax(-1) * (1 + gamma_k(4))).clamp_max(1)
+    L = (L * (1 + gamma_k(4))).clamp_max(1)
+    return L if per_token else L.amax(-1)
 
 
 def layer_project_is_identity(

@@ -57,7 +57,7 @@ from certify.local import (
     layernorm_local_lipschitz,
     linear_norm,
 )
-from certify.lofast import eps_per_sample, lofast_terms
+from certify.lofast import LoFASTTerms, eps_per_sample, lofast_terms
 from certify.specformer import specformer_terms
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import LayerProject
@@ -85,10 +85,16 @@ class Budget(NamedTuple):
 
 @dataclass(frozen=True)
 class LayerStep:
-    """One step of the chain: a name and its bound ``Budget ↦ Budget``."""
+    """One step of the chain: a name and its bound ``Budget ↦ Budget``.
+
+    Attention steps also keep LoFAST's ε-independent terms of their bare
+    attention (``H = 0``) at its clean input (``None`` elsewhere, and for
+    ``specformer``); the ``taylor`` method reuses them.
+    """
 
     name: str
     delta: Callable[[Budget], Budget]
+    terms: LoFASTTerms | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,11 @@ class NetworkBound:
             budget = step.delta(budget)
             out.append(torch.stack(budget, dim=-1))
         return torch.stack(out, dim=1)
+
+    @property
+    def attention_terms(self) -> tuple[LoFASTTerms | None, ...]:
+        """LoFAST terms of every block's bare attention at its clean input."""
+        return tuple(s.terms for s in self.steps if s.name.endswith(".attention"))
 
     def delta_out(self, eps: float | Tensor) -> Tensor:
         """``δ_out(x, ε) ≥ ‖logits(x') − logits(x)‖₂`` for ``‖x' − x‖₂ ≤ ε``.
@@ -161,6 +172,7 @@ class AttentionBound(NamedTuple):
 
     whole: DeltaFn  # ‖F(X') − F(X)‖_F
     cls: DeltaFn  # ‖[F(X') − F(X)]_0‖ (class row), H = 0 only
+    terms: LoFASTTerms | None  # LoFAST's ε-independent parts (None: specformer)
 
 
 def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionBound:
@@ -178,7 +190,7 @@ def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionB
     W = attn.head_weights()
     if method == "specformer":
         whole = specformer_terms(X, *W, residual=residual, variant="sound").delta
-        return AttentionBound(whole, whole)
+        return AttentionBound(whole, whole, None)
     terms = lofast_terms(X, *W, residual=residual, exact=method == "lofast",
                          n_iter=POWER_ITERATIONS, tol=POWER_TOL)
     P = torch.softmax(terms.logits.to(torch.float64), dim=-1)  # (B, H, N, N)
@@ -192,7 +204,7 @@ def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionB
         bound = terms.bound(eps)
         return torch.minimum(zeta_cls * eps + bound.delta_2_local, bound.total_local)
 
-    return AttentionBound(whole, cls)
+    return AttentionBound(whole, cls, terms)
 
 
 def _lipschitz_block(block, X: Tensor, method: str) -> list[LayerStep]:
@@ -230,7 +242,8 @@ def _lipschitz_block(block, X: Tensor, method: str) -> list[LayerStep]:
         L_cls = layer_project_local_lipschitz(X_mid[:, :1], radius, b.cls, "token")
         return Budget(L_all * b.all, L_cls * b.cls)
 
-    return [LayerStep("attention", attention_step), LayerStep("sll", mlp_step)]
+    return [LayerStep("attention", attention_step, attn_h0.terms),
+            LayerStep("sll", mlp_step)]
 
 
 def _standard_block(block, X: Tensor, method: str) -> list[LayerStep]:
@@ -249,7 +262,8 @@ def _standard_block(block, X: Tensor, method: str) -> list[LayerStep]:
         L_cls = layernorm_local_lipschitz(X_mid[:, :1], ln2.weight, ln2.eps, b.cls)
         return Budget(b.all * (1 + mlp_lip * L_all), b.cls * (1 + mlp_lip * L_cls))
 
-    return [LayerStep("attention", attention_step), LayerStep("mlp", mlp_step)]
+    return [LayerStep("attention", attention_step, attn_h0.terms),
+            LayerStep("mlp", mlp_step)]
 
 
 def _scale(factor: Tensor | float) -> Callable[[Budget], Budget]:
@@ -301,7 +315,7 @@ def network_bound(model: ViT, x: Tensor, method: Method = "lofast") -> NetworkBo
     block_fn = _lipschitz_block if cfg.family == "lipschitz" else _standard_block
     for k, block in enumerate(model.blocks):
         for step in block_fn(block, X, method):
-            steps.append(LayerStep(f"block{k}.{step.name}", step.delta))
+            steps.append(LayerStep(f"block{k}.{step.name}", step.delta, step.terms))
         X = block(X)
     cls = X[:, :1]  # (B, 1, D): only the class token reaches the head
     norm = model.norm

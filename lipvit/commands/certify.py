@@ -9,7 +9,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from certify.evaluate import ALL_METHODS, CertifyReport, certify_samples
+from certify.evaluate import ALL_METHODS, QUANTITIES, CertifyReport, certify_samples
 from lipvit.commands import _common as C
 from lipvit.train import cpu_threads
 
@@ -142,8 +142,10 @@ def certify(
     """Certified accuracy at each EPS for each METHOD (LoFAST Prop. 1: margin > √2·δ).
 
     `lofast` is sound (exact ζ and ‖M_h(X)‖); `lofast-fast` uses power-iteration
-    estimates and is labelled exact=false; `crown` needs auto_LiRPA; `cascade`
-    runs CROWN only where LoFAST did not certify.
+    estimates and is labelled exact=false; `taylor` bounds every wrong-class
+    margin to first order exactly plus certified remainders (docs/taylor.md);
+    `crown` needs auto_LiRPA; `cascade` runs CROWN only where LoFAST did not
+    certify, `cascade-taylor` only where taylor did not.
     """
     eps_list = C.parse_floats(eps_text, "eps")
     methods = C.parse_names(method_text, ALL_METHODS, "method")
@@ -225,6 +227,7 @@ def certify(
                     }
                     for r in rows
                 ],
+                "quantities": {m: QUANTITIES[m] for m in methods if m in QUANTITIES},
                 "samples": _samples(report, data.index),
             },
             force,

@@ -1,0 +1,83 @@
+"""Tightness, radius and speed of the taylor certificate against LoFAST (issue 12).
+
+On the test points of a checkpoint (the same seeded subsample as ``lipvit
+certify --n``), in one run:
+
+* at ``--eps``: per point, ``max_j`` (bound on the margin drop of class j) over
+  ``max_j`` (largest drop PGD finds, :func:`analysis.pgd.pgd_margin_drop`),
+  for ``taylor`` (its per-class bounds) and ``lofast`` (``√2 δ_out``, Prop. 1);
+  medians over the points where PGD finds a positive drop;
+* the median certified radius of each (bisection, tolerance ``--tol``) and the
+  first-order limit ``min_j margin_j/‖∇margin_j‖`` (an estimate);
+* process CPU seconds per sample of building each certificate
+  (``time.process_time``; the machine may be shared: compare the ratio).
+
+Usage::
+
+    python bench/taylor_tightness.py --ckpt /tmp/i12/lip.pt --n 100 --eps 0.01
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from analysis.pgd import pgd_margin_drop
+from certify.certification import certified_radius, margin
+from certify.network import network_bound
+from certify.taylor import taylor_bound
+from lipvit.commands import _common as C
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--n", type=int, default=100)
+    parser.add_argument("--eps", type=float, default=0.01)
+    parser.add_argument("--tol", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ckpt = C.load_checkpoint(args.ckpt)
+    model = ckpt.model.double().eval()
+    data = C.load_test_set(ckpt, n=args.n)
+    x, y = data.x.double(), data.y
+
+    t0 = time.process_time()
+    tb = taylor_bound(model, x, y)
+    t_taylor = time.process_time() - t0
+    t0 = time.process_time()
+    nb = network_bound(model, x, "lofast")
+    t_lofast = time.process_time() - t0
+
+    pgd = pgd_margin_drop(model, x, y, args.eps, steps=args.steps).amax(1)  # (B,)
+    taylor = tb.margin_drop(args.eps).amax(1)
+    lofast = math.sqrt(2) * nb.delta_out(args.eps)
+    seen = pgd > 0
+    r_taylor = tb.radius(rtol=0, tol=args.tol)
+    r_lofast = certified_radius(margin(nb.logits, y), nb.delta_out, rtol=0,
+                                  tol=args.tol)
+    correct = margin(nb.logits, y) > 0
+    n = len(y)
+    print(f"{args.ckpt}: n={n}, eps={args.eps}, {int(seen.sum())} points with a "
+          "positive PGD drop")
+    print("| method | median bound/PGD at eps | median certified radius "
+          "| CPU s/sample (build) |")
+    print("|---|---|---|---|")
+    for name, bound, r, t in (("taylor", taylor, r_taylor, t_taylor),
+                              ("lofast", lofast, r_lofast, t_lofast)):
+        ratio = (bound[seen] / pgd[seen]).median()
+        print(f"| {name} | {float(ratio):.3f} | {float(r.median()):.5f} "
+              f"| {t / n:.4f} |")
+    first = tb.first_order_radius()[correct]
+    print(f"median first-order limit (estimate): {float(first.median()):.4f}; "
+          f"median radius ratio taylor/lofast (correct points, lofast > 0): "
+          f"{float((r_taylor / r_lofast)[correct & (r_lofast > 0)].median()):.3f}; "
+          f"taylor/lofast time: {t_taylor / t_lofast:.2f}")
+
+
+if __name__ == "__main__":
+    main()

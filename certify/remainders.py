@@ -1,0 +1,278 @@
+"""Certified first-order remainders of the ViT's nonlinear maps (docs/taylor.md).
+
+For a map ``φ`` with clean input ``u`` and Jacobian ``J = Dφ(u)`` (autograd's,
+float64), the remainder is ``r(Γ) = φ(u + Γ) − φ(u) − J Γ``. Each function
+here returns an **upper bound** on ``‖r(Γ)‖`` (or on a weighted sum of its
+parts) over every ``Γ`` with ``‖Γ‖ ≤ β``; each is proved in docs/taylor.md
+(section named in the docstring) and tested against brute force and PGD in
+``tests/test_taylor.py``. Pure functions of tensors.
+
+Token-wise maps. A map acting on every token separately (a per-token
+LayerProject, LayerNorm, an MLP or SLL layer) under a Frobenius budget
+``Σ_t b_t² ≤ β²`` (``b_t = ‖Γ_t‖ ≤ β``) has per-token remainders bounded in the
+form ``ρ_t(b) ≤ q_t b² + l_t b`` for every ``b ≤ β``
+(:class:`TokenRemainder`). Then (docs/taylor.md §2)
+
+* ``‖r‖_F ≤ max_t q_t β² + max_t l_t β`` (:meth:`TokenRemainder.norm`);
+* ``Σ_t w_t ρ_t(b_t) ≤ max_t(w_t q_t) β² + ‖(w_t l_t)_t‖₂ β`` for weights
+  ``w_t ≥ 0`` (:meth:`TokenRemainder.weighted`; Cauchy–Schwarz on the linear
+  part, ``Σ_t b_t² ≤ β²`` on the quadratic one).
+
+Shapes: ``B`` batch, ``K`` classes, ``T`` vectors (tokens, or 1 for a whole
+token matrix), ``m`` hidden units, ``D`` width, ``H`` heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from certify.lofast import LoFASTTerms, softmax_local_constant
+
+#: ``max_x |GELU''(x)| = 2 φ(0) = √(2/π)`` (erf GELU; GELU'' = φ(x)(2 − x²)).
+GELU_CURVATURE_MAX = math.sqrt(2 / math.pi)
+
+
+class TokenRemainder(NamedTuple):
+    """Per-vector remainder coefficients: ``ρ_t(b) ≤ quad_t b² + lin_t b``, ``b ≤ β``.
+
+    ``quad`` and ``lin`` have shape ``(B, T)`` (non-negative); both are valid
+    only up to the budget ``β`` they were computed for.
+    """
+
+    quad: Tensor
+    lin: Tensor
+
+    def norm(self, beta: Tensor) -> Tensor:
+        """Bound on ``‖r‖_F`` over ``Σ_t b_t² ≤ β²``, ``(B,)`` (docs/taylor.md §2)."""
+        return self.quad.amax(-1) * beta**2 + self.lin.amax(-1) * beta
+
+    def weighted(self, w: Tensor, beta: Tensor, caps: Tensor | None = None) -> Tensor:
+        """Bound on ``Σ_t w_t ‖r_t‖`` over ``Σ_t b_t² ≤ β²``, ``(B, K)``.
+
+        Args:
+            w: non-negative weights ``(B, K, T)`` (e.g. ``‖g_t‖``, the norms of a
+                margin's gradient at the map's output, token by token).
+            beta: ``(B,)``.
+            caps: optional per-vector budgets ``b_t ≤ caps_t`` ``(B, T)`` (the
+                coefficients must be valid up to them); then the bound is also
+                at most ``Σ_t w_t ρ_t(caps_t)``, and the smaller one is returned.
+        """
+        quad = (w * self.quad[:, None]).amax(-1)  # (B, K)
+        lin = torch.linalg.vector_norm(w * self.lin[:, None], dim=-1)  # (B, K)
+        b = beta[:, None]
+        out = quad * b**2 + lin * b
+        if caps is None:
+            return out
+        return torch.minimum(out, (w * self.at(caps)[:, None]).sum(-1))
+
+    def at(self, b: Tensor) -> Tensor:
+        """``quad_t b_t² + lin_t b_t`` for per-vector budgets ``b`` ``(B, T)``."""
+        return self.quad * b**2 + self.lin * b
+
+
+def per_budget(value: Tensor, beta: Tensor) -> Tensor:
+    """``value / β`` with ``0/0 = 0`` (β broadcast over trailing dims)."""
+    b = beta.reshape(beta.shape + (1,) * (value.ndim - beta.ndim))
+    return torch.where(b > 0, value / b.clamp_min(1e-300), torch.zeros_like(value))
+
+
+# --------------------------------------------------------------------------
+# LayerProject (LoFAST eq. 29): docs/taylor.md §3.
+# --------------------------------------------------------------------------
+
+
+def layer_project_remainder(
+    norms: Tensor, radius: float, beta: Tensor
+) -> TokenRemainder:
+    """Remainder of ``p(x) = x R/max(‖x‖, R)`` on ``‖Γ‖ ≤ β``, docs/taylor.md §3.
+
+    Autograd's Jacobian is ``I`` where ``‖x‖ < R`` and ``R(I − x̂x̂ᵀ)/‖x‖`` where
+    ``‖x‖ ≥ R`` (``clamp_min`` passes the gradient at equality). Cases:
+
+    * ``‖x‖ < R``: ``r = p(x+Γ) − (x+Γ)``, of norm ``(‖x+Γ‖ − R)₊ ≤
+      (‖x‖ + b − R)₊``: zero while the ball stays inside, linear when it
+      straddles the sphere.
+    * ``‖x‖ ≥ R``: ``r = [q(x+Γ) − q(x) − JΓ] + [p − q](x+Γ)`` with
+      ``q(y) = R y/‖y‖``; ``‖D²q(y)[u,u]‖ ≤ (2/√3) R ‖u‖²/‖y‖²`` gives the
+      first part ``≤ R b²/(√3 (‖x‖ − b)²)`` (needs ``‖x‖ > β``); the second is
+      ``R − ‖x+Γ‖ ≤ (b − (‖x‖ − R))₊`` where the ball crosses inside. The
+      first-order-Lipschitz alternative ``(1 + R/‖x‖) b`` is used where smaller
+      (a straddling ball, or one reaching the origin).
+
+    Args:
+        norms: ``‖x‖`` of each projected vector, ``(B, T)``.
+        radius: ``R``.
+        beta: budget of each vector's perturbation, ``(B,)`` or ``(B, T)``.
+
+    Returns:
+        :class:`TokenRemainder` with ``(B, T)`` coefficients.
+    """
+    b = beta[:, None] if beta.ndim == 1 else beta  # (B, 1) or (B, T)
+    zero = torch.zeros_like(norms)
+    inside = norms < radius
+    lin_in = per_budget((norms + b - radius).clamp_min(0), beta)
+    gap = norms - b  # (B, T) smallest norm on the ball
+    quad_out = torch.where(
+        gap > 0,
+        radius / (math.sqrt(3) * gap.clamp_min(1e-300) ** 2),
+        torch.full_like(norms, math.inf),
+    )
+    lin_out = per_budget((b - (norms - radius)).clamp_min(0), beta)
+    lin_crude = 1 + radius / norms.clamp_min(radius)
+    smooth = quad_out * b**2 + lin_out * b <= lin_crude * b
+    quad = torch.where(inside, zero, torch.where(smooth, quad_out, zero))
+    lin = torch.where(inside, lin_in, torch.where(smooth, lin_out, lin_crude))
+    return TokenRemainder(quad, lin)
+
+
+# --------------------------------------------------------------------------
+# LayerNorm: docs/taylor.md §4.
+# --------------------------------------------------------------------------
+
+
+def layernorm_curvature(c_norm: Tensor, kappa: float, beta: Tensor) -> Tensor:
+    """``½ sup ‖D²φ‖`` of ``φ(c) = c/√(‖c‖² + κ)`` on the ball, docs/taylor.md §4.
+
+    ``‖D²φ(c)[u,u]‖ ≤ 3 ‖c‖/(‖c‖² + κ)^{3/2} ‖u‖²``; the supremum of
+    ``h(r) = r/(r² + κ)^{3/2}`` over ``r ∈ [‖c‖ − β, ‖c‖ + β]`` (its maximum is
+    at ``r = √(κ/2)``). So ``‖φ(c + u) − φ(c) − Dφ(c)u‖ ≤ 1.5 h_max ‖u‖²`` for
+    ``‖u‖ ≤ β``.
+
+    Args:
+        c_norm: ``‖c_t‖`` of the centred tokens, ``(B, T)``.
+        kappa: ``D η`` (> 0; with ``κ = 0`` the bound is ``inf`` near ``c = 0``).
+        beta: ``(B,)`` or per-vector ``(B, T)``.
+
+    Returns:
+        ``1.5 h_max``, ``(B, T)``: the quadratic coefficient of the remainder of
+        ``φ`` (multiply by ``√D ‖γ ⊙ ·‖`` for LayerNorm).
+    """
+    b = beta[:, None] if beta.ndim == 1 else beta
+    lo, hi = (c_norm - b).clamp_min(0), c_norm + b
+    peak = math.sqrt(kappa / 2)
+
+    def h(r: Tensor) -> Tensor:
+        return r / (r**2 + kappa) ** 1.5
+
+    inner = torch.full_like(
+        c_norm, h(torch.tensor(peak)).item() if kappa > 0 else math.inf
+    )
+    h_max = torch.where(hi <= peak, h(hi), torch.where(lo >= peak, h(lo), inner))
+    return 1.5 * h_max
+
+
+# --------------------------------------------------------------------------
+# ReLU and GELU units: docs/taylor.md §5, §6.
+# --------------------------------------------------------------------------
+
+
+def relu_remainder(z: Tensor, delta: Tensor, weights: Tensor | None = None) -> Tensor:
+    """Per-vector ReLU remainders at the budget, docs/taylor.md §5.
+
+    ``|relu(z + δ) − relu(z) − 1[z > 0] δ| ≤ (|δ| − |z|)₊``: zero on units whose
+    pre-activation cannot change sign.
+
+    Args:
+        z: clean pre-activations ``(B, T, m)``.
+        delta: bounds on ``|Δz|`` at the budget β, broadcastable to ``z``.
+        weights: optional ``(B, K, T, m)`` non-negative weights.
+
+    Returns:
+        ``(B, T)``: ``‖((δ − |z|)₊)_i‖₂`` per vector, or with ``weights``
+        ``(B, K, T)``: ``Σ_i w_i (δ_i − |z_i|)₊``. Both are convex in β and 0
+        at β = 0, so dividing by β gives a valid ``lin`` coefficient on
+        ``[0, β]``.
+    """
+    excess = (delta - z.abs()).clamp_min(0)  # (B, T, m)
+    if weights is None:
+        return torch.linalg.vector_norm(excess, dim=-1)
+    return (weights * excess[:, None]).sum(-1)
+
+
+def gelu_curvature(z: Tensor, delta: Tensor) -> Tensor:
+    """``sup |GELU''|`` over ``[z − δ, z + δ]`` per unit, docs/taylor.md §6.
+
+    ``GELU''(x) = φ(x)(2 − x²)`` has critical points ``0, ±2``; the supremum of
+    its magnitude on an interval is at an end or one of those inside. At most
+    :data:`GELU_CURVATURE_MAX`.
+    """
+    lo, hi = z - delta, z + delta
+
+    def g(x: Tensor) -> Tensor:
+        return (torch.exp(-(x**2) / 2) / math.sqrt(2 * math.pi) * (2 - x**2)).abs()
+
+    out = torch.maximum(g(lo), g(hi))
+    for c in (0.0, 2.0, -2.0):
+        val = g(torch.tensor(c, dtype=z.dtype)).item()
+        out = torch.where((lo <= c) & (hi >= c), torch.clamp_min(out, val), out)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Attention: docs/taylor.md §7.
+# --------------------------------------------------------------------------
+
+
+def softmax_curvature_constant(logits: Tensor, logit_radius: Tensor) -> Tensor:
+    """``c₂`` with ``‖s(z+u) − s(z) − Ds(z)u‖ ≤ c₂ ‖u‖²`` per row, docs/taylor.md §7.
+
+    ``D²s(z)[u,u] = p ⊙ ((u − ū)² − Var_p(u))`` has ℓ1 norm ``≤ 2 Var_p(u) ≤
+    2 min(max_k p_k, ½) ‖u‖²``; along the segment every ``p_k`` stays below
+    ``p_k e^{s}``, ``s = √2 ρ`` a bound on the logit spread. Integrating
+    ``(1 − t)`` gives ``c₂ = min(max_k p_k e^{s}, ½)``.
+
+    Args:
+        logits: clean scaled logits ``(..., N, N)``.
+        logit_radius: ``ρ`` ``(...)``, a bound on every row's logit change.
+
+    Returns:
+        ``(...)``: the largest constant over rows, ``≤ ½``.
+    """
+    s = (math.sqrt(2) * logit_radius)[..., None, None]
+    hi = torch.exp((torch.log_softmax(logits, dim=-1) + s).clamp(max=0))
+    return hi.amax(dim=(-2, -1)).clamp(max=0.5)
+
+
+def attention_jacobian_norm(terms: LoFASTTerms) -> Tensor:
+    """Upper bound on ``‖J_a‖`` of bare attention (``H = 0``), docs/taylor.md §7.
+
+    ``J_a Γ = Σ_h P_h Γ M_h + Σ_h Ds(S_h)[(Γ A_h Xᵀ + X A_h Γᵀ)/√d] Π X M_h``,
+    so ``‖J_a‖ ≤ ζ(X) + Σ_h c_h ‖M_h(X)‖ ‖Π X M_h‖/√d`` with ``c_h`` the
+    softmax Jacobian's norm at the clean logits. ``(B,)``.
+    """
+    if terms.residual:
+        raise ValueError("attention_jacobian_norm expects the bare attention (H = 0)")
+    c0 = softmax_local_constant(terms.logits, torch.zeros_like(terms.m_norm))  # (B, H)
+    soft = (c0 * terms.m_norm * terms.xm_centred).sum(-1) / math.sqrt(terms.head_dim)
+    return terms.zeta + soft
+
+
+def attention_remainder(terms: LoFASTTerms, beta: Tensor) -> Tensor:
+    """Bound on ``‖a(X+Γ) − a(X) − J_a Γ‖_F`` for ``‖Γ‖_F ≤ β``, docs/taylor.md §7.
+
+    With ``ΔS_h = (Γ A_h Xᵀ + X A_h Γᵀ + Γ A_h Γᵀ)/√d`` (``‖ΔS_h‖_F ≤ ρ_h =
+    (‖M_h(X)‖ β + ‖A_h‖ β²)/√d``, LoFAST eq. 24-25):
+
+        r = Σ_h (Ds[Γ A_h Γᵀ/√d] + r_s(ΔS_h)) Π X M_h + Σ_h (P_h' − P_h) Γ M_h
+
+    and ``‖r‖ ≤ Σ_h (c_h‖A_h‖β²/√d + c₂_h ρ_h²) ‖Π X M_h‖
+    + min(c'_h ρ_h, √(2N)) ‖M_h‖ β`` with ``c_h`` the softmax Jacobian norm at
+    ``S_h``, ``c'_h`` its local constant on the reachable logits
+    (:func:`certify.lofast.softmax_local_constant`) and ``c₂_h``
+    (:func:`softmax_curvature_constant`). ``(B,)``; ``terms`` of the bare
+    attention at its clean input (any ``H``: the residual has no remainder).
+    """
+    N = terms.logits.shape[-1]
+    b = beta[:, None]  # (B, 1)
+    sqrt_d = math.sqrt(terms.head_dim)
+    rho = b * (terms.m_norm + b * terms.qk_norm) / sqrt_d  # (B, H)
+    c0 = softmax_local_constant(terms.logits, torch.zeros_like(rho))
+    c_loc = softmax_local_constant(terms.logits, rho)
+    c2 = softmax_curvature_constant(terms.logits, rho)
+    second = (c0 * terms.qk_norm * b**2 / sqrt_d + c2 * rho**2) * terms.xm_centred
+    cross = torch.minimum(c_loc * rho, torch.full_like(rho, math.sqrt(2 * N)))
+    return (second + cross * terms.vo_norm * b).sum(-1)

@@ -1,0 +1,617 @@
+"""First-order-exact network certificates: the ``taylor`` method (docs/taylor.md).
+
+For a wrong class ``j`` and ``c_j = e_j − e_y``, every ``‖x' − x‖₂ ≤ ε`` obeys
+
+    c_jᵀ(f(x') − f(x)) ≤ ‖c_jᵀ J‖ ε + Σ_sites ‖c_jᵀ G_site‖ · ρ_site(β_site)
+
+(docs/taylor.md §1): the network is a graph of linear maps and a few
+nonlinear *sites* (the norm before attention, the attention, the norm before
+the MLP, the MLP's activation, the final norm); each site ``φ`` maps its
+clean input ``u`` plus a perturbation to ``φ(u) + Dφ(u)Δu + r``, so the
+output's change is the linearised network's response to the input
+perturbation plus its responses to every site's remainder ``r``. ``J`` (image
+to logits) and ``G_site`` (an additive injection at the site's output to the
+logits) are the clean point's exact Jacobians; ``c_jᵀJ`` and ``c_jᵀG_site``
+are gradients of the margin ``f_j − f_y`` with respect to the image and to a
+zero tensor added at the site's output, one backward pass per class, batched.
+``ρ_site`` (:mod:`certify.remainders`) bounds the remainder (or its weighted
+sum over tokens and units) when the site's input moves by at most ``β_site``.
+
+Perturbation budgets β (docs/taylor.md §8). On the residual stream
+``s_0`` (block 0's input), ``s_1`` (block 0's middle), …, ``s_{2K}``:
+
+* **chain**: the LoFAST composition of :func:`certify.network.network_bound`
+  (``NetworkBound.trace``: whole matrix and class token);
+* **recursion**: ``Γ_m = J_{m←x} Γ_x + Σ_{k≤m} J_{m:k} R_k`` gives
+  ``β_m ≤ ‖J_{m←x}‖ ε + Σ_{k≤m} (Π_{i=k+1..m} λ_i) ρ^sub_k(β_{k−1})`` with
+  ``‖J_{m←x}‖`` exact (the ``n × n`` Gram matrix of ``n`` JVPs, ``n`` the image
+  dimension; eigvalsh), ``λ_i`` a sound bound on sub-block ``i``'s Jacobian
+  norm at the clean point and ``ρ^sub_k`` its remainder's norm.
+
+Each ``β_m`` is the minimum of the two (both sound); the class token's budget
+also takes the chain's class-token budget. Every quantity is float64. The first
+order ``‖c_jᵀJ‖`` is **exact** (autograd, float rounding aside); every
+remainder, β and ``λ`` is an **upper bound**; the certificate is sound. A
+relative allowance of :data:`ROUNDING` covers float rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import Tensor
+
+from certify.attention import attention
+from certify.certification import bisect_radius
+from certify.local import (
+    gelu_mlp_local_lipschitz,
+    layer_project_local_lipschitz,
+    layernorm_local_lipschitz,
+)
+from certify.network import network_bound
+from certify.remainders import (
+    TokenRemainder,
+    attention_jacobian_norm,
+    attention_remainder,
+    gelu_curvature,
+    layer_project_remainder,
+    layernorm_curvature,
+    relu_remainder,
+)
+from lipvit.errors import UnsupportedModelError
+from lipvit.layers import SLL, LayerProject
+from lipvit.model import MLP, ViT
+from lipvit.spectral import spectral_norm
+
+ROUNDING = 1e-9
+"""Relative allowance added to every margin-drop bound for float64 rounding."""
+
+SITES = ("norm1", "attn", "norm2", "act")
+"""Nonlinear sites of a block, in order; the final norm is the site ``"norm"``."""
+
+Inject = dict[tuple[int, str], Tensor]
+
+
+# --------------------------------------------------------------------------
+# The forward pass with injections at the sites.
+# --------------------------------------------------------------------------
+
+
+def check_supported(model: ViT) -> None:
+    """Refuse, with a one-line reason, a model the taylor method cannot bound."""
+    if not isinstance(model, ViT):
+        raise UnsupportedModelError(
+            f"taylor needs a lipvit ViT, got {type(model).__name__}"
+        )
+    lipschitz = model.config.family == "lipschitz"
+    for k, block in enumerate(model.blocks):
+        b = block.attn.head_biases()
+        if b.b_q is not None and bool((b.b_q != 0).any() or (b.b_k != 0).any()):
+            raise UnsupportedModelError(
+                f"block {k}: taylor needs bias-free query and key maps (qkv_bias=False)"
+            )
+        norms = (block.norm1, block.norm2)
+        kinds = (LayerProject, LayerProject) if lipschitz else (torch.nn.LayerNorm,) * 2
+        if not all(isinstance(n, t) for n, t in zip(norms, kinds, strict=True)):
+            raise UnsupportedModelError(f"block {k}: unsupported normalisation layers")
+        if lipschitz and block.norm2.mode != "token":
+            raise UnsupportedModelError(f"block {k}: norm2 must project per token")
+        if not isinstance(block.mlp, SLL if lipschitz else MLP):
+            raise UnsupportedModelError(f"block {k}: unsupported feed-forward layer")
+    if lipschitz and model.norm.mode != "token":
+        raise UnsupportedModelError("the final LayerProject must project per token")
+
+
+def _attention(attn, p: Tensor) -> Tensor:
+    """``attn(p)`` with an explicit softmax (LoFAST eq. 6, ``H = 0``, plus biases)."""
+    W = attn.head_weights()
+    b = attn.head_biases()
+    out = attention(p, *W, residual=False)  # (B, N, D)
+    if b.b_v is not None:
+        out = out + torch.einsum("hd,hdE->E", b.b_v, W.W_o)
+    return out + b.b_o if b.b_o is not None else out
+
+
+@dataclass
+class Record:
+    """Clean (or dual) values of a forward pass: residual stream and site inputs."""
+
+    stream: list[Tensor]  # 2K + 1 tensors (B, N, D): s_0, s_1, …, s_{2K}
+    attn_in: list[Tensor]  # (B, N, D): norm1's output, the attention's input
+    act_in: list[Tensor]  # (B, N, m): the activation's pre-activations
+
+
+def forward(
+    model: ViT, x: Tensor, inject: Inject | None = None
+) -> tuple[Tensor, Record]:
+    """``model(x)`` with zero (or any) tensors added at every site's output.
+
+    ``inject[(k, site)]`` is added to block ``k``'s ``site`` output and
+    ``inject[(-1, "norm")]`` to the final norm's class-token output. Equal to
+    ``model(x)`` without injections (tested). Returns logits ``(B, classes)``
+    and a :class:`Record`.
+    """
+    inject = inject or {}
+
+    def add(key: tuple[int, str], t: Tensor) -> Tensor:
+        return t + inject[key] if key in inject else t
+
+    lipschitz = model.config.family == "lipschitz"
+    X = model.embed(x)  # (B, N, D)
+    rec = Record([X], [], [])
+    for k, block in enumerate(model.blocks):
+        p = add((k, "norm1"), block.norm1(X))
+        rec.attn_in.append(p)
+        X = X + add((k, "attn"), _attention(block.attn, p))
+        rec.stream.append(X)
+        q = add((k, "norm2"), block.norm2(X))
+        z = block.mlp.fc1(q)  # (B, N, m)
+        rec.act_in.append(z)
+        if lipschitz:
+            u = add((k, "act"), torch.relu(z))
+            X = q - 2.0 * (u / block.mlp.T()) @ block.mlp.fc1.weight
+        else:
+            X = X + block.mlp.fc2(add((k, "act"), F.gelu(z)))
+        rec.stream.append(X)
+    cls = add((-1, "norm"), model.norm(X[:, :1])[:, 0])  # (B, D): per-token norm
+    return model.head(cls), rec
+
+
+def _site_gradients(model: ViT, x: Tensor, y: Tensor) -> tuple[Tensor, Inject, Record]:
+    """Gradients of every margin ``f_j − f_y`` w.r.t. the image and each site.
+
+    One backward pass for all samples and classes: each sample is repeated
+    once per class. Returns the image gradients ``(B, K, C, S, S)``, the site
+    gradients ``(B, K, *site shape)`` and the clean record.
+    """
+    B = x.shape[0]
+    K = model.config.num_classes
+    with torch.no_grad():
+        _, clean = forward(model, x)
+    shapes = {}
+    for k in range(len(model.blocks)):
+        shapes[(k, "norm1")] = shapes[(k, "attn")] = shapes[(k, "norm2")] = (
+            clean.attn_in[k].shape[1:]
+        )
+        shapes[(k, "act")] = clean.act_in[k].shape[1:]
+    shapes[(-1, "norm")] = clean.stream[-1].shape[2:]
+    inject = {
+        key: torch.zeros(
+            (B * K, *s), dtype=x.dtype, device=x.device, requires_grad=True
+        )
+        for key, s in shapes.items()
+    }
+    xr = x.repeat_interleave(K, dim=0).requires_grad_(True)  # (B·K, C, S, S)
+    with torch.enable_grad():
+        logits, _ = forward(model, xr, inject)
+        L = logits.reshape(B, K, K)  # copy (b, j) differentiates f_j − f_y
+        j = torch.arange(K, device=x.device)
+        total = (
+            L[:, j, j]
+            - L[:, j, :].gather(2, y[:, None, None].expand(B, K, 1)).squeeze(2)
+        ).sum()
+        grads = torch.autograd.grad(total, [xr, *inject.values()])
+    g_x = grads[0].reshape(B, K, *x.shape[1:])
+    g_sites = {
+        key: g.reshape(B, K, *g.shape[1:])
+        for key, g in zip(inject, grads[1:], strict=True)
+    }
+    return g_x, g_sites, clean
+
+
+def _gram_norm(T: Tensor) -> Tensor:
+    """``‖J‖`` from tangents ``T = J E`` ``(..., n, M)`` (``E`` the identity): exact,
+    ``√λ_max(T Tᵀ)`` by eigvalsh, rounded up by a relative ``1e-12``."""
+    gram = T @ T.transpose(-1, -2)  # (..., n, n) = Jᵀ J
+    lam = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
+    return (lam * (1 + 1e-12) + 1e-300).sqrt()
+
+
+@dataclass(frozen=True)
+class JacobianNorms:
+    """Exact norms of the clean point's Jacobians from the image, ``J_{u←x}``.
+
+    Attributes:
+        stream: whole stream states ``(B, 2K+1)``.
+        stream_token: every token of every stream state ``(B, 2K+1, N)``.
+        attn_in: the attention inputs ``(B, K)`` (blocks).
+        act_in: per block ``(B, N, m)``: ``‖∇_x z_{t,i}‖`` of each pre-activation.
+        cls: the last stream state's class token ``(B,)``.
+        act_tangents: per block ``(B, n, N·m)``: ``J_{z←x}`` itself, for
+            :meth:`act_norm`.
+    """
+
+    stream: Tensor
+    stream_token: Tensor
+    attn_in: Tensor
+    act_in: list[Tensor]
+    cls: Tensor
+    act_tangents: list[Tensor]
+
+    def act_norm(self, k: int, units: Tensor) -> Tensor:
+        """Exact ``‖J_{z_U←x}‖`` for block ``k``'s pre-activations in ``units``
+        (a ``(B, N, m)`` mask), ``(B,)``."""
+        T = self.act_tangents[k] * units.flatten(1)[:, None]  # (B, n, N·m)
+        return _gram_norm(T)
+
+
+def jacobian_norms(model: ViT, x: Tensor) -> JacobianNorms:
+    """:class:`JacobianNorms` by forward-mode AD with the image's ``n`` basis
+    tangents (``n = C·S·S``) and ``n × n`` Gram matrices (eigvalsh): exact up to
+    float rounding, rounded up."""
+    B, n = x.shape[0], x[0].numel()
+    xr = x.repeat_interleave(n, dim=0)  # (B·n, C, S, S)
+    E = torch.eye(n, dtype=x.dtype, device=x.device).repeat(B, 1).reshape(xr.shape)
+
+    def tangent(t: Tensor) -> Tensor:  # (B·n, ...) dual → (B, n, ...)
+        T = fwAD.unpack_dual(t).tangent
+        return T.reshape(B, n, *T.shape[1:])
+
+    with torch.no_grad(), fwAD.dual_level():
+        _, rec = forward(model, fwAD.make_dual(xr, E))
+        stream = [tangent(s) for s in rec.stream]  # (B, n, N, D) each
+        attn_in = [tangent(p) for p in rec.attn_in]
+        act_T = [tangent(z) for z in rec.act_in]  # (B, n, N, m) each
+    act_in = [torch.linalg.vector_norm(T, dim=1) for T in act_T]
+    return JacobianNorms(
+        stream=torch.stack([_gram_norm(T.flatten(2)) for T in stream], dim=1),
+        stream_token=torch.stack(
+            [_gram_norm(T.transpose(1, 2)) for T in stream], dim=1
+        ),
+        attn_in=torch.stack([_gram_norm(T.flatten(2)) for T in attn_in], dim=1),
+        act_in=[(a * (1 + 1e-12)) for a in act_in],
+        cls=_gram_norm(stream[-1][:, :, 0]),
+        act_tangents=[T.flatten(2) for T in act_T],
+    )
+
+
+# --------------------------------------------------------------------------
+# Per-block remainder terms.
+# --------------------------------------------------------------------------
+
+
+class Budget(NamedTuple):
+    """Perturbation bounds on a stream state: Frobenius ``all`` ``(B,)``, per
+    token ``token`` ``(B, N)``, and ``acc`` ``(B,)``, a bound on the part of the
+    perturbation that is not ``J_{s←x} Γ`` (the propagated remainders)."""
+
+    all: Tensor
+    token: Tensor
+    acc: Tensor
+
+
+def _budget(e: Tensor, jn: JacobianNorms, m: int, acc: Tensor, chain: Tensor) -> Budget:
+    """Stream state ``m``'s budget: the recursion ``‖J‖ε + acc``, or the chain."""
+    whole = torch.minimum(jn.stream[:, m] * e + acc, chain)
+    token = torch.minimum(
+        jn.stream_token[:, m] * e[:, None] + acc[:, None], whole[:, None]
+    )
+    return Budget(whole, token, acc)
+
+
+def _token_norms(g: Tensor, mode: str) -> Tensor:
+    """``‖g_t‖`` per projected vector: ``(B, K, N)`` (token) or ``(B, K, 1)``."""
+    if mode == "token":
+        return torch.linalg.vector_norm(g, dim=-1)
+    return torch.linalg.vector_norm(g, dim=(-2, -1))[..., None]
+
+
+def _vector_norms(X: Tensor, mode: str) -> Tensor:
+    if mode == "token":
+        return torch.linalg.vector_norm(X, dim=-1)  # (B, N)
+    return torch.linalg.vector_norm(X, dim=(-2, -1))[:, None]  # (B, 1)
+
+
+class BlockStep(NamedTuple):
+    """A block's result at one ε: site shares ``{site: (B, K)}`` and budgets."""
+
+    sites: dict[str, Tensor]
+    mid: Budget
+    out: Budget
+
+
+BlockFn = Callable[[Tensor, Budget, Tensor, Tensor], BlockStep]
+"""``(ε, input budget, chain bound of the middle, of the output) ↦ BlockStep``."""
+
+
+def _lipschitz_block(
+    block, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor]
+) -> BlockFn:
+    """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7)."""
+    X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
+    P1, P2 = block.norm1, block.norm2
+    n1, n_mid = _vector_norms(X, P1.mode), _vector_norms(X_mid, "token")
+    zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
+    L1_0 = layer_project_local_lipschitz(X, P1.radius, zero, P1.mode)  # ‖J_P₁‖ (B,)
+    L2_0 = layer_project_local_lipschitz(
+        X_mid, P2.radius, zero, "token", per_token=True
+    )
+    J_a = attention_jacobian_norm(terms)  # (B,)
+    Wt = block.mlp.fc1.weight  # (m, D) = Wᵀ
+    w_norm = torch.linalg.vector_norm(Wt, dim=1)  # (m,) = ‖w_i‖
+    W_norm = spectral_norm(Wt)
+    out_norm = spectral_norm(2 * Wt.T / block.mlp.T())  # ‖2 W T⁻¹‖
+    w1 = _token_norms(g["norm1"], P1.mode)  # (B, K, T)
+    w_attn = torch.linalg.vector_norm(g["attn"], dim=(-2, -1))  # (B, K)
+    w2 = _token_norms(g["norm2"], "token")  # (B, K, N)
+    w_act = g["act"].abs()  # (B, K, N, m)
+    m_mid = 2 * k + 1
+
+    def step(e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor) -> BlockStep:
+        caps1 = b.token if P1.mode == "token" else b.all[:, None]
+        r1 = layer_project_remainder(n1, P1.radius, caps1)
+        r1_norm = r1.norm(b.all)
+        # The attention's input moves by J_{p←x}Γ + J_P₁(propagated) + r_P₁.
+        L1 = layer_project_local_lipschitz(X, P1.radius, b.all, P1.mode)
+        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + L1_0 * b.acc + r1_norm)
+        r_a = attention_remainder(terms, b_p)
+        acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm  # λ = 1 + ‖J_a‖‖J_P₁‖
+        mid = _budget(e, jn, m_mid, acc_mid, chain_mid)
+        r2 = layer_project_remainder(n_mid, P2.radius, mid.token)
+        # Each unit: |Δz_ti| ≤ ‖∇z_ti‖ε + ‖w_i‖(‖J_P₂‖ acc + ρ_P₂,t).
+        prop = L2_0 * mid.acc[:, None] + r2.at(mid.token)  # (B, N)
+        delta = jn.act_in[k] * e[:, None, None] + prop[..., None] * w_norm  # (B, N, m)
+        L2 = layer_project_local_lipschitz(
+            X_mid, P2.radius, mid.token.amax(-1), "token", per_token=True
+        )
+        delta = torch.minimum(delta, (L2 * mid.token)[..., None] * w_norm)
+        # ‖r_relu‖_F over all tokens: per unit, or jointly through the exact
+        # norm of the Jacobian of the units that can flip (docs/taylor.md §5).
+        # (|Δz| − |z|)₊ ≤ s |Δz| with s = (1 − |z|/δ)₊ (convexity, |Δz| ≤ δ).
+        flip = (1 - z.abs() / delta.clamp_min(1e-300)).clamp_min(0)  # (B, N, m)
+        # The propagated part is jointly ≤ ‖W‖(max_t ‖J_P₂,t‖ acc + ‖r_P₂‖_F).
+        r2_all = torch.linalg.vector_norm(r2.at(mid.token), dim=-1)
+        joint = jn.act_norm(k, flip) * e + W_norm * (L2_0.amax(-1) * mid.acc + r2_all)
+        per_unit = torch.linalg.vector_norm(relu_remainder(z, delta), dim=-1)
+        mlp_sub = out_norm * torch.minimum(per_unit, joint) + r2_all
+        out = _budget(e, jn, m_mid + 1, mid.acc + mlp_sub, chain_out)  # λ_SLL ≤ 1
+        sites = {
+            "norm1": r1.weighted(w1, b.all, caps1),
+            "attn": w_attn * r_a[:, None],
+            "norm2": r2.weighted(w2, mid.all, mid.token),
+            "act": torch.minimum(
+                relu_remainder(z, delta, w_act).sum(-1),
+                torch.linalg.vector_norm(
+                    (w_act * (flip > 0)[:, None]).flatten(2), dim=-1
+                )
+                * joint[:, None],
+            ),
+        }
+        return BlockStep(sites, mid, out)
+
+    return step
+
+
+def _layernorm_parts(ln, X: Tensor) -> tuple[Tensor, Tensor, float]:
+    """Centred token norms ``(B, N)``, ``γ`` ``(D,)`` and ``κ = D η`` of a LayerNorm."""
+    D = X.shape[-1]
+    gamma = ln.weight if ln.weight is not None else torch.ones(D, dtype=X.dtype)
+    c_norm = torch.linalg.vector_norm(X - X.mean(-1, keepdim=True), dim=-1)
+    return c_norm, gamma, D * ln.eps
+
+
+def _layernorm_remainder(ln, X: Tensor, caps: Tensor) -> TokenRemainder:
+    """LayerNorm's per-token remainder ``‖γ‖_∞ √D 1.5 h_max b²``, docs/taylor.md §4."""
+    c_norm, gamma, kappa = _layernorm_parts(ln, X)
+    scale = gamma.abs().amax() * math.sqrt(X.shape[-1])
+    q = scale * layernorm_curvature(c_norm, kappa, caps)
+    return TokenRemainder(q, torch.zeros_like(q))
+
+
+def _layernorm_weights(g: Tensor, ln) -> Tensor:
+    """``√D ‖γ ⊙ g_t‖ / (‖γ‖_∞ √D)`` per token ``(B, K, N)``: the weight of a margin
+    on LayerNorm's remainder, relative to :func:`_layernorm_remainder`'s scale
+    (``gᵀ(γ ⊙ √D r_φ) ≤ √D ‖γ ⊙ g‖ ‖r_φ‖``)."""
+    if ln.weight is None:
+        return torch.linalg.vector_norm(g, dim=-1)
+    gamma = ln.weight
+    return torch.linalg.vector_norm(g * gamma, dim=-1) / gamma.abs().amax()
+
+
+def _standard_block(
+    block, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor]
+) -> BlockFn:
+    """Sites of ``X + attn(LN₁(X))``, ``X+mlp(LN₂(X))``, docs/taylor.md §4, §6, §7."""
+    X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
+    ln1, ln2 = block.norm1, block.norm2
+    zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
+    L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
+    L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
+    J_a = attention_jacobian_norm(terms)
+    W1 = block.mlp.fc1.weight  # (m, D)
+    w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
+    W2_norm = spectral_norm(block.mlp.fc2.weight)
+    mlp_lip = gelu_mlp_local_lipschitz(W1, block.mlp.fc2.weight)  # ≥ ‖W₂ diag W₁‖
+    w_ln1 = _layernorm_weights(g["norm1"], ln1)  # (B, K, N)
+    w_attn = torch.linalg.vector_norm(g["attn"], dim=(-2, -1))  # (B, K)
+    w_ln2 = _layernorm_weights(g["norm2"], ln2)
+    w_act = g["act"].abs()  # (B, K, N, m)
+    m_mid = 2 * k + 1
+
+    def step(e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor) -> BlockStep:
+        r1 = _layernorm_remainder(ln1, X, b.token)
+        r1_norm = torch.minimum(
+            r1.norm(b.all), torch.linalg.vector_norm(r1.at(b.token), dim=-1)
+        )
+        L1 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.all)
+        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + L1_0 * b.acc + r1_norm)
+        r_a = attention_remainder(terms, b_p)
+        acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm
+        mid = _budget(e, jn, m_mid, acc_mid, chain_mid)
+        r2 = _layernorm_remainder(ln2, X_mid, mid.token)
+        prop = L2_0 * mid.acc[:, None] + r2.at(mid.token)  # (B, N)
+        delta = jn.act_in[k] * e[:, None, None] + prop[..., None] * w1_norm  # (B, N, m)
+        L2 = layernorm_local_lipschitz(
+            X_mid, ln2.weight, ln2.eps, mid.token.amax(-1), per_token=True
+        )
+        delta = torch.minimum(delta, (L2 * mid.token)[..., None] * w1_norm)
+        r_gelu = 0.5 * gelu_curvature(z, delta) * delta**2  # (B, N, m) per unit
+        R_t = W2_norm * torch.linalg.vector_norm(r_gelu, dim=-1) + mlp_lip * r2.at(
+            mid.token
+        )
+        lam = 1 + mlp_lip * L2_0.amax(-1)
+        out = _budget(
+            e,
+            jn,
+            m_mid + 1,
+            lam * mid.acc + torch.linalg.vector_norm(R_t, dim=-1),
+            chain_out,
+        )
+        sites = {
+            "norm1": r1.weighted(w_ln1, b.all, b.token),
+            "attn": w_attn * r_a[:, None],
+            "norm2": r2.weighted(w_ln2, mid.all, mid.token),
+            "act": (w_act * r_gelu[:, None]).sum((-2, -1)),
+        }
+        return BlockStep(sites, mid, out)
+
+    return step
+
+
+# --------------------------------------------------------------------------
+# The network bound.
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaylorBound:
+    """The taylor certificate of a batch ``x`` with labels ``y`` (docs/taylor.md).
+
+    Attributes:
+        margins: ``f_y − f_j`` ``(B, K)`` (``+inf`` at ``j = y``).
+        grad_norm: ``‖c_jᵀ J‖`` ``(B, K)``, **exact** (0 at ``j = y``).
+        jacobians: :class:`JacobianNorms` from the image, **exact**.
+        remainder: ``ε ↦ (B, K)``, the remainder part of the margin-drop bound.
+        walk: ``ε ↦ ({site: (B, K)}, [Budget], β_cls)``: the remainder part
+            site by site, the stream budgets and the class token's budget
+            (**upper bounds**).
+        delta_out: LoFAST's ``δ_out`` (``ε ↦ (B,)``); ``√2 δ_out`` caps every
+            margin drop, so ``taylor`` certifies whatever ``lofast`` does.
+    """
+
+    margins: Tensor
+    grad_norm: Tensor
+    jacobians: JacobianNorms
+    remainder: Callable[[Tensor], Tensor]
+    walk: Callable[[Tensor], tuple[dict[str, Tensor], list, Tensor]]
+    delta_out: Callable[[Tensor], Tensor]
+
+    def _eps(self, eps: float | Tensor) -> Tensor:
+        from certify.lofast import eps_per_sample
+
+        m = self.margins
+        return eps_per_sample(eps, m.shape[0], m.dtype, m.device)
+
+    def margin_drop(self, eps: float | Tensor) -> Tensor:
+        """Upper bound on ``c_jᵀ(f(x') − f(x))`` over the ε-ball, ``(B, K)``."""
+        e = self._eps(eps)
+        bound = self.grad_norm * e[:, None] + self.remainder(e)
+        # |c_jᵀΔf| ≤ ‖c_j‖ ‖Δf‖ ≤ √2 δ_out: never worse than LoFAST's Prop. 1.
+        bound = torch.minimum(bound, math.sqrt(2) * self.delta_out(e)[:, None])
+        return torch.where(
+            self.margins.isinf(), torch.zeros_like(bound), bound * (1 + ROUNDING)
+        )
+
+    def certified(self, eps: float | Tensor) -> Tensor:
+        """``(B,)`` bool: every wrong class's margin exceeds its drop bound."""
+        return (self.margins > self.margin_drop(eps)).all(dim=1)
+
+    def first_order_radius(self) -> Tensor:
+        """``min_j margin_j/‖c_jᵀJ‖``: the linearised boundary's distance (an
+        **estimate**, the limit of the certified radius as remainders vanish)."""
+        return (self.margins / self.grad_norm.clamp_min(1e-300)).amin(1).clamp_min(0)
+
+    def radius(self, rtol: float = 1e-3, tol: float = 0.0, max_radius: float = 10.0,
+               certified_at=()) -> Tensor:
+        """Certified radius by bisection (the sound, lower end), ``(B,)``; the
+        arguments as in :func:`certify.certification.bisect_radius`."""
+        positive = (self.margins > 0).all(dim=1)
+        return bisect_radius(self.certified, positive, dtype=self.margins.dtype,
+                             rtol=rtol, tol=tol, max_radius=max_radius,
+                             certified_at=certified_at)
+
+
+def taylor_bound(model: ViT, x: Tensor, y: Tensor) -> TaylorBound:
+    """The taylor certificate of ``model`` at images ``x`` ``(B, C, S, S)``, labels y.
+
+    Works on a float64 copy of the model when it is not float64 already.
+
+    Raises:
+        UnsupportedModelError: a layer the method cannot bound (one-line reason).
+    """
+    check_supported(model)
+    if model.pos_embed.dtype != torch.float64:
+        model = copy.deepcopy(model).double()
+    model.eval()
+    x = x.to(torch.float64)
+    y = y.to(x.device)
+    chain = network_bound(model, x, "lofast")
+    with torch.no_grad():
+        g_x, g_sites, clean = _site_gradients(model, x, y)
+        jn = jacobian_norms(model, x)
+        logits, _ = forward(model, x)
+        B, K = logits.shape
+        wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
+        wrong[torch.arange(B), y] = False
+        margins = logits.gather(1, y[:, None]) - logits  # (B, K)
+        margins = torch.where(wrong, margins, torch.full_like(margins, math.inf))
+        grad_norm = torch.linalg.vector_norm(g_x.flatten(2), dim=-1)  # (B, K)
+        make = (
+            _lipschitz_block if model.config.family == "lipschitz" else _standard_block
+        )
+        blocks = [
+            make(block, k, clean, terms, jn, {s: g_sites[(k, s)] for s in SITES})
+            for k, (block, terms) in enumerate(
+                zip(model.blocks, chain.attention_terms, strict=True)
+            )
+        ]
+        final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
+
+    def walk(e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
+        """Site shares, stream budgets and the class token's budget at ε ``(B,)``."""
+        trace = chain.trace(e)  # (B, steps+1, 2): rows 2.. are the stream states
+        budget = _budget(e, jn, 0, torch.zeros_like(e), trace[:, 2, 0])
+        budgets, sites = [budget], {}
+        for k, step in enumerate(blocks):
+            res = step(e, budget, trace[:, 3 + 2 * k, 0], trace[:, 4 + 2 * k, 0])
+            budgets += [res.mid, res.out]
+            budget = res.out
+            sites.update({f"block{k}.{n}": v for n, v in res.sites.items()})
+        cls = torch.minimum(jn.cls * e + budget.acc, budget.token[:, 0])
+        cls = torch.minimum(cls, trace[:, 2 + 2 * len(blocks), 1])
+        sites["norm"] = final(cls)
+        return (
+            {n: torch.where(wrong, v, torch.zeros_like(v)) for n, v in sites.items()},
+            budgets,
+            cls,
+        )
+
+    def remainder(e: Tensor) -> Tensor:
+        return sum(walk(e)[0].values())
+
+    return TaylorBound(
+        margins,
+        torch.where(wrong, grad_norm, torch.zeros_like(grad_norm)),
+        jn,
+        remainder,
+        walk,
+        chain.delta_out,
+    )
+
+
+def _final_site(model: ViT, cls: Tensor, g: Tensor) -> Callable[[Tensor], Tensor]:
+    """``β_cls ↦ (B, K)``: the final norm's weighted remainder on the class token."""
+    norm = model.norm
+    if isinstance(norm, LayerProject):
+        norms = torch.linalg.vector_norm(cls, dim=-1)[:, None]  # (B, 1)
+        w = torch.linalg.vector_norm(g, dim=-1)[..., None]  # (B, K, 1)
+        return lambda b: layer_project_remainder(norms, norm.radius, b).weighted(w, b)
+    w = _layernorm_weights(g[:, :, None], norm)  # (B, K, 1)
+    return lambda b: _layernorm_remainder(norm, cls[:, None], b).weighted(w, b)

@@ -1,0 +1,358 @@
+"""The taylor method: every remainder bound against brute force and PGD, the whole
+margin-drop bound against PGD on each class margin, certified points against
+torchattacks PGDL2 and APGD, both families, refusals and the CLI (float64)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torchattacks
+from click.testing import CliRunner
+
+import lipvit
+from analysis.pgd import pgd_deviation, pgd_margin_drop
+from certify.attention import attention
+from certify.certification import bisect_radius
+from certify.evaluate import certify_samples
+from certify.lofast import lofast_terms
+from certify.remainders import (
+    GELU_CURVATURE_MAX,
+    attention_jacobian_norm,
+    attention_remainder,
+    gelu_curvature,
+    layer_project_remainder,
+    layernorm_curvature,
+    relu_remainder,
+    softmax_curvature_constant,
+)
+from certify.taylor import forward, taylor_bound
+from lipvit.cli import main
+from lipvit.errors import UnsupportedModelError
+from lipvit.layers import layer_project
+from lipvit.model import ViT
+from lipvit.train import train, train_config_for
+from tests.conftest import tiny_config
+
+F64 = torch.float64
+SEEDS = range(2)
+
+
+def _remainder_fn(phi, u0):
+    """``U ↦ φ(U) − φ(u0) − Dφ(u0)(U − u0)`` (autograd's Jacobian), batched over U."""
+    J = torch.func.jacrev(phi)(u0).reshape(phi(u0).numel(), u0.numel())
+    f0 = phi(u0).detach()
+
+    def r(U):
+        return torch.stack(
+            [phi(u) - f0 - (J @ (u - u0).reshape(-1)).reshape(f0.shape) for u in U]
+        )
+
+    return r
+
+
+def _sampled_max(r, u0, beta, n=200, seed=0):
+    """Largest ``‖r‖`` over random points of the sphere and ball of radius β."""
+    g = torch.Generator().manual_seed(seed)
+    G = torch.randn((n, *u0.shape), generator=g, dtype=F64)
+    G = G / G.flatten(1).norm(dim=1).reshape(-1, *[1] * u0.ndim)
+    G[n // 2 :] *= torch.rand((n - n // 2,) + (1,) * u0.ndim, generator=g, dtype=F64)
+    return r(u0 + beta * G).flatten(1).norm(dim=1).max()
+
+
+# --------------------------------------------------------------------------
+# Remainders against brute force.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("norm", [0.0, 0.3, 0.98, 1.0, 1.02, 1.5, 4.0])
+@pytest.mark.parametrize("beta", [0.05, 0.5])
+def test_layer_project_remainder_bounds_brute_force(seed, norm, beta):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, generator=g, dtype=F64)
+    x = x / x.norm() * norm if norm > 0 else x * 1e-9
+    R = 1.0
+    phi = lambda v: layer_project(v, R)  # noqa: E731
+    rem = layer_project_remainder(
+        x.norm()[None, None], R, torch.tensor([beta], dtype=F64)
+    )
+    bound = rem.norm(torch.tensor([beta], dtype=F64))[0]
+    r = _remainder_fn(phi, x)
+    found = max(
+        _sampled_max(r, x, beta, seed=seed),
+        pgd_deviation(r, x[None], beta, steps=40, restarts=2)[0],
+    )
+    assert found <= bound * (1 + 1e-9) + 1e-15
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("c_scale", [1e-4, 0.1, 1.0, 5.0])
+def test_layernorm_curvature_bounds_brute_force(seed, c_scale):
+    g = torch.Generator().manual_seed(seed)
+    D, kappa = 6, 6 * 1e-5
+    c = torch.randn(D, generator=g, dtype=F64)
+    c = c / c.norm() * c_scale
+    phi = lambda v: v / (v.square().sum() + kappa).sqrt()  # noqa: E731
+    r = _remainder_fn(phi, c)
+    for beta in (1e-3, 0.05, 0.5):
+        b = torch.tensor([beta], dtype=F64)
+        bound = layernorm_curvature(c.norm()[None, None], kappa, b)[0, 0] * beta**2
+        found = max(
+            _sampled_max(r, c, beta, seed=seed),
+            pgd_deviation(r, c[None], beta, steps=40, restarts=2)[0],
+        )
+        assert found <= bound * (1 + 1e-9)
+
+
+def test_relu_and_gelu_units_brute_force():
+    z = torch.linspace(-3, 3, 121, dtype=F64)
+    for d in (1e-3, 0.1, 1.0, 3.0):
+        delta = torch.linspace(-d, d, 201, dtype=F64)
+        Z, Dl = torch.meshgrid(z, delta, indexing="ij")
+        relu = (Z + Dl).relu() - Z.relu() - (Z > 0) * Dl
+        bound = relu_remainder(z[None, :, None], torch.full((1, 121, 1), d, dtype=F64))
+        assert torch.all(relu.abs().amax(1) <= bound[0] + 1e-15)
+        gelu = F.gelu(Z + Dl) - F.gelu(Z) - _gelu_prime(Z) * Dl
+        curv = gelu_curvature(z, torch.full_like(z, d))
+        assert torch.all(gelu.abs().amax(1) <= 0.5 * curv * d**2 * (1 + 1e-9) + 1e-15)
+        assert torch.all(curv <= GELU_CURVATURE_MAX + 1e-15)
+
+
+def _gelu_prime(z):
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(
+        -(z**2) / 2
+    ) / math.sqrt(2 * math.pi)
+
+
+F = torch.nn.functional
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("scale", [0.1, 1.0, 5.0])
+def test_softmax_curvature_brute_force(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(1, 6, generator=g, dtype=F64) * scale
+    r = _remainder_fn(lambda v: torch.softmax(v, -1), z)
+    for rho in (0.01, 0.3, 2.0):
+        c2 = softmax_curvature_constant(z[None], torch.tensor([rho], dtype=F64))[0]
+        found = max(
+            _sampled_max(r, z, rho, seed=seed),
+            pgd_deviation(r, z[None], rho, steps=40, restarts=2)[0],
+        )
+        assert found <= c2 * rho**2 * (1 + 1e-9)
+
+
+def _layer(seed, N, D, H, qk_scale):
+    g = torch.Generator().manual_seed(seed)
+    d = D // H
+    W_q, W_k, W_v = (
+        torch.randn(H, D, d, generator=g, dtype=F64) / math.sqrt(D) for _ in range(3)
+    )
+    W_o = torch.randn(H, d, D, generator=g, dtype=F64) / math.sqrt(d)
+    X = torch.randn(1, N, D, generator=g, dtype=F64)
+    return X, (W_q * qk_scale, W_k * qk_scale, W_v, W_o)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "N, H, qk_scale", [(1, 1, 1.0), (3, 1, 1.0), (4, 2, 1.0), (4, 2, 4.0), (3, 2, 0.05)]
+)
+def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale):
+    X, W = _layer(seed, N, 4, H, qk_scale)
+    terms = lofast_terms(X, *W, residual=False)
+    a = lambda U: attention(U[None], *W, residual=False)[0]  # noqa: E731
+    J = torch.func.jacrev(a)(X[0]).reshape(N * 4, N * 4)
+    assert torch.linalg.matrix_norm(J, ord=2) <= attention_jacobian_norm(terms)[0] * (
+        1 + 1e-9
+    )
+    r = _remainder_fn(a, X[0])
+    for beta in (1e-3, 0.05, 0.3):
+        bound = attention_remainder(terms, torch.tensor([beta], dtype=F64))[0]
+        found = max(
+            _sampled_max(r, X[0], beta, seed=seed),
+            pgd_deviation(r, X, beta, steps=40, restarts=2)[0],
+        )
+        assert found <= bound * (1 + 1e-9)
+
+
+# --------------------------------------------------------------------------
+# The network.
+# --------------------------------------------------------------------------
+
+
+def _model(family, seed, **kw):
+    torch.manual_seed(seed)
+    model = ViT(tiny_config(family, **kw)).double().eval()
+    with torch.no_grad():  # larger weights than at init: a visibly nonlinear model
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["lipschitz", "standard"])
+@pytest.mark.parametrize("seed", range(2))
+def test_forward_is_the_model(family, seed):
+    model = _model(family, seed)
+    x = torch.rand(3, 1, 8, 8, dtype=F64)
+    with torch.no_grad():
+        assert torch.allclose(forward(model, x)[0], model(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "family, kw",
+    [
+        ("lipschitz", {}),
+        ("lipschitz", {"attn_project": "token"}),
+        ("lipschitz", {"num_heads": 1}),
+        ("standard", {}),
+        ("standard", {"depth": 1}),
+    ],
+)
+@pytest.mark.parametrize("seed", range(2))
+def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed):
+    model = _model(family, seed, **kw)
+    x = torch.rand(3, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    tb = taylor_bound(model, x, y)
+    for eps in (1e-3, 1e-2, 0.1):
+        drop = tb.margin_drop(eps)  # (B, K)
+        pgd = pgd_margin_drop(model, x, y, eps, steps=40, restarts=2)
+        assert torch.all(pgd <= drop), (eps, pgd, drop)
+        # The Taylor part alone (without the √2 δ_out cap) is a bound too.
+        e = torch.full((3,), eps, dtype=F64)
+        raw = tb.grad_norm * eps + tb.remainder(e)
+        assert torch.all(pgd <= raw * (1 + 1e-9)), (eps, pgd, raw)
+        assert bool((pgd > 0).any())  # the attack does find drops
+        # The first-order part alone is a lower bound's limit: never above the bound.
+        assert torch.all(tb.grad_norm * eps <= drop * (1 + 1e-9) + 1e-300)
+
+
+def test_first_order_term_is_exact():
+    model = _model("standard", 0)
+    x = torch.rand(2, 1, 8, 8, dtype=F64)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    tb = taylor_bound(model, x, y)
+    j = (y + 1) % 10
+    J = torch.func.jacrev(lambda v: model(v[None])[0])(x[0])  # (K, 1, 8, 8)
+    grad = (J[j[0]] - J[y[0]]).norm()
+    assert torch.isclose(tb.grad_norm[0, j[0]], grad, rtol=1e-10)
+    full = J.reshape(10, 64)
+    # The stream's Jacobian norms are exact: the logits' is ‖W_head‖-bounded, the
+    # image's is 1 (first stream state = embedding, checked against jacrev).
+    emb = torch.func.jacrev(lambda v: model.embed(v[None])[0])(x[0]).reshape(-1, 64)
+    assert torch.isclose(
+        tb.jacobians.stream[0, 0], torch.linalg.matrix_norm(emb, ord=2), rtol=1e-9
+    )
+    assert full.shape == (10, 64)
+
+
+def test_unsupported_layers_refuse_with_one_line():
+    model = ViT(tiny_config("standard", qkv_bias=True)).double()
+    with torch.no_grad():
+        model.blocks[0].attn.qkv.bias.fill_(0.1)
+    x = torch.rand(1, 1, 8, 8, dtype=F64)
+    with pytest.raises(UnsupportedModelError, match="bias-free") as err:
+        taylor_bound(model, x, torch.tensor([0]))
+    assert "\n" not in str(err.value)
+    lip = ViT(tiny_config("lipschitz")).double()
+    lip.blocks[0].norm2.mode = "frobenius"
+    with pytest.raises(UnsupportedModelError, match="per token"):
+        taylor_bound(lip, x, torch.tensor([0]))
+
+
+def test_bisect_radius_closed_form():
+    # certified iff ε < 0.3 (sample 0), never (sample 1).
+    r = bisect_radius(
+        lambda e: e < torch.tensor([0.3, -1.0], dtype=F64),
+        torch.tensor([True, True]),
+        rtol=0, tol=1e-6,
+    )
+    assert 0.3 - 2e-6 < r[0] < 0.3 and r[1] == 0
+
+
+# --------------------------------------------------------------------------
+# A trained model: attacks and the CLI.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(digits, tmp_path_factory):
+    cfg = lipvit.preset(
+        "digits-tiny", family="lipschitz", mean=digits.mean, std=digits.std
+    )
+    out = tmp_path_factory.mktemp("taylor") / "lip.pt"
+    train(
+        cfg,
+        train_config_for("lipschitz", epochs=3, device="cpu"),
+        digits,
+        out,
+        progress=False,
+    )
+    return out
+
+
+def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits):
+    from lipvit.checkpoint import load_checkpoint
+
+    model = load_checkpoint(ckpt).model.double().eval()
+    x, y = digits.x_test[:48].double(), digits.y_test[:48]
+    tb = taylor_bound(model, x, y)
+    radii = tb.radius(tol=1e-4)
+    assert (radii > 0).sum() >= 3, "the model should certify some points"
+    assert torch.all(tb.certified(radii)[radii > 0])
+    eps = float(radii[radii > 0].median())
+    report = certify_samples(model, x, y, ["taylor", "lofast"], [eps])
+    cert = report.certified[f"taylor@{eps}"]
+    assert torch.all(cert >= report.certified[f"lofast@{eps}"])
+    xs, ys = x[cert].float(), y[cert]
+    fmodel = model.float()
+    for atk in (
+        torchattacks.PGDL2(
+            fmodel, eps=eps, alpha=eps / 8, steps=100, random_start=True
+        ),
+        torchattacks.APGD(fmodel, norm="L2", eps=eps, steps=50, n_restarts=2),
+    ):
+        adv = atk(xs, ys)
+        assert torch.all((adv - xs).flatten(1).norm(dim=1) <= eps * (1 + 1e-4))
+        assert torch.all(fmodel(adv).argmax(1) == ys), type(atk).__name__
+    model.double()
+
+
+def test_cli_certify_taylor(ckpt, tmp_path):
+    js = tmp_path / "out.json"
+    result = CliRunner().invoke(
+        main,
+        [
+            "certify",
+            "--ckpt",
+            str(ckpt),
+            "--eps",
+            "0.01,0.05",
+            "--method",
+            "taylor,lofast",
+            "--radius",
+            "--n",
+            "10",
+            "--json",
+            str(js),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(js.read_text())
+    assert "taylor" in data["quantities"]
+    rows = {(r["method"], r["eps"]): r for r in data["results"]}
+    for eps in (0.01, 0.05):
+        assert rows[("taylor", eps)]["exact"] is True
+        assert (
+            rows[("taylor", eps)]["certified_accuracy"]
+            >= rows[("lofast", eps)]["certified_accuracy"]
+        )
+    for s in data["samples"]:
+        assert s["radii"]["taylor"] >= 0
+        if s["radii"]["taylor"] > 0.01:
+            assert s["certified"]["taylor@0.01"]
