@@ -34,7 +34,7 @@ that torchattacks enforces allows each pixel to move by ``ε_b``, which the ℓ2
 ball allows anyway. One attack call thus attacks a whole batch, each sample at
 its own ε. CW runs in the same variables with ``k = 2``: every pixel can move
 across the whole box, which removes CW's tanh-space weakness (in image
-variables a pixel at exactly 0 or 1 cannot move, see :mod:`analysis.attacks`).
+variables a pixel at exactly 0 or 1 cannot move, see :mod:`lipvit.analysis.attacks`).
 APGD and APGD-T are called one run (restart, target class) at a time on the
 whole batch (``attack_single_run``), because their ``perturb`` re-batches the
 still-unbroken samples, which would detach a sample from its ε.
@@ -64,16 +64,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
-
-from analysis.attacks import (
+from lipvit.analysis.attacks import (
     _fork_rng,
     _num_classes,
     _predict,
     _torchattacks,
     perturbation_norm,
 )
-from certify.certification import margin as certification_margin
+from lipvit.certify.certification import margin as certification_margin
+from torch import Tensor, nn
 
 RADIUS_ATTACKS: tuple[str, ...] = ("pgd-l2", "apgd", "apgd-t", "cw")
 CLEAN = "clean"  # the sample is misclassified: radius 0, the image itself

@@ -47,9 +47,9 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from lipvit.certify.certification import margin as certification_margin
 from torch import Tensor, nn
 
-from certify.certification import margin as certification_margin
 from lipvit.errors import LipvitError
 
 Norm = Literal["linf", "l2"]
@@ -146,7 +146,7 @@ def __getattr__(name: str) -> Any:
 def margin(logits: Tensor, labels: Tensor) -> Tensor:
     """CW margin ``max_{j≠y} z_j − z_y`` per sample ``(B,)``; > 0: misclassified.
 
-    The negated certification margin :func:`certify.certification.margin`.
+    The negated certification margin :func:`lipvit.certify.certification.margin`.
     """
     return -certification_margin(logits, labels)
 

@@ -5,7 +5,7 @@ One model per (attention, MSVP on/off) of :data:`lipvit.config.ATTENTIONS`
 :func:`lipvit.train.train` and evaluated the same way:
 
 - clean accuracy and robust accuracy under FGSM, PGD and AutoAttack
-  (:func:`analysis.attacks.robust_accuracy`) at the chosen ℓ∞ and ℓ2 radii,
+  (:func:`lipvit.analysis.attacks.robust_accuracy`) at the chosen ℓ∞ and ℓ2 radii,
   SpecFormer Tables 2–4 in shape (robust accuracies are **upper bounds** of
   the true ones: an attack only finds adversarial points);
 - training seconds per epoch, wall (from the training history) and CPU
@@ -13,7 +13,7 @@ One model per (attention, MSVP on/off) of :data:`lipvit.config.ATTENTIONS`
   (``dot`` without MSVP) — SpecFormer reports 1.5× for MSVP;
 - the mean exact σ_max of ``W_q``, ``W_k``, ``W_v`` (dense SVD);
 - σ_max of every block's residual-branch Jacobian at clean test points
-  (:func:`analysis.spectrum.jacobian_spectrum`; exact at small sizes), the
+  (:func:`lipvit.analysis.spectrum.jacobian_spectrum`; exact at small sizes), the
   Cauchy-problem paper's Fig. 3 as one line per model;
 - certified accuracy (LoFAST network bound, ℓ2) where a certificate exists:
   dot-product attention only; the others record the one-line refusal.
@@ -250,9 +250,9 @@ def evaluate_run(
     below, as ``jacobian_method`` says); ``certified`` (key ``"l2 <eps>"``)
     or ``certified_note`` with the refusal; ``seconds`` per part.
     """
-    from analysis.attacks import robust_accuracy
-    from analysis.spectrum import jacobian_spectrum
-    from certify.evaluate import certify_samples
+    from lipvit.analysis.attacks import robust_accuracy
+    from lipvit.analysis.spectrum import jacobian_spectrum
+    from lipvit.certify.evaluate import certify_samples
 
     model.eval()
     seconds: dict[str, float] = {}
@@ -526,7 +526,7 @@ def jacobian_figure(jacobian: dict[str, list[float]], method: str, path=None):
     power-iteration estimates from below (then stated in the title). Colour:
     attention; open markers: MSVP. Log axis when the values span decades.
     """
-    from analysis.plots import new_figure, save_figure, spans_decades
+    from lipvit.analysis.plots import new_figure, save_figure, spans_decades
 
     fig, axes = new_figure(6.4, 4.2)
     ax = axes[0, 0]
@@ -556,7 +556,7 @@ def jacobian_figure(jacobian: dict[str, list[float]], method: str, path=None):
 
 def accuracy_figure(comp: Comparison, path=None):
     """Grouped bars: clean and robust accuracy at the largest radii, per model."""
-    from analysis.plots import new_figure, save_figure
+    from lipvit.analysis.plots import new_figure, save_figure
 
     s = comp.settings
     e_inf, e_2 = max(s.eps_linf), max(s.eps_l2)

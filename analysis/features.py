@@ -30,14 +30,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from lipvit.analysis.attacks import perturb
 from sklearn.linear_model import LogisticRegression
 from sklearn.manifold import TSNE
 from sklearn.model_selection import GridSearchCV
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from torch import Tensor, nn
-
-from analysis.attacks import perturb
 
 
 def penultimate_features(model: nn.Module, x: Tensor, batch_size: int = 512) -> Tensor:
@@ -186,7 +185,7 @@ def feature_shift(model: nn.Module, x: Tensor, y: Tensor, *, attack: str = "pgd"
     Args:
         model: classifier with ``forward_features`` (a :class:`lipvit.ViT`).
         x: images ``(n, C, S, S)`` in ``[0, 1]``. y: labels ``(n,)``.
-        attack, eps, norm, settings: as in :func:`analysis.attacks.perturb`
+        attack, eps, norm, settings: as in :func:`lipvit.analysis.attacks.perturb`
             (every image is attacked, also misclassified ones).
         seed: attack, split and t-SNE seed.
         tsne: compute the 2-D embedding (the slow part).

@@ -188,7 +188,7 @@ def plot_certification_gap(
         log: log-log axes; ``None`` when the values span decades.
         path, pdf: where to save (see :func:`save_figure`).
     """
-    from analysis.gap import median_ratio
+    from lipvit.analysis.gap import median_ratio
 
     if not certified:
         raise ValueError("nothing to plot: no certified radii given")

@@ -205,8 +205,8 @@ def radius_rows(name: str, data: Mapping[str, Any]) -> list[list[Any]]:
 def gap_table(certify: Any, attack: Any) -> tuple[list[str], list[list[Any]]]:
     """Per certification method: medians of the certified radius, the attack radius,
     their ratio and the first-order limit, over the correctly classified samples
-    and over the certified ones (:func:`analysis.gap.summary_rows`)."""
-    from analysis.gap import join, summary_rows
+    and over the certified ones (:func:`lipvit.analysis.gap.summary_rows`)."""
+    from lipvit.analysis.gap import join, summary_rows
 
     headers = ["method", "points", "n", "median certified radius",
                "median attack radius", "median certified/attack",

@@ -14,7 +14,7 @@ Three views of how much a trained ViT can amplify a perturbation:
    no outer residual, and ``F_k`` is still defined as block minus identity).
    :func:`jacobian_spectrum` gives, per block and sample, σ_max of the
    Jacobian ``J_{F_k}`` at the clean activation — exact (dense SVD) where the
-   token matrix has at most :data:`analysis.jacobian.EXACT_MAX_SIZE` entries,
+   token matrix has at most :data:`lipvit.analysis.jacobian.EXACT_MAX_SIZE` entries,
    else a matrix-free power-iteration estimate from below (labelled) — and
    the upper bound ``sqrt(‖J‖_1 ‖J‖_∞)`` of σ_max(J) (eq. 16).
 3. **First-order deviation** (:func:`first_order_deviation`): the paper's
@@ -22,7 +22,7 @@ Three views of how much a trained ViT can amplify a perturbation:
    of the last block, where ``ε_0 = ε · ‖W_pe‖ / min(std)`` is the exact bound
    of the perturbation after normalisation and patch embedding for an image
    perturbation of ℓ2 norm ε. Beside it: the certified budget at the same
-   place (:meth:`certify.network.NetworkBound.trace` after the last block's
+   place (:meth:`lipvit.certify.network.NetworkBound.trace` after the last block's
    last step: a sound upper bound of the deviation of the final token matrix,
    before the final norm and the head) and a PGD lower bound of that
    deviation. The first-order value is **neither** a bound nor an estimate
@@ -41,15 +41,15 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch import Tensor
-
-from analysis.jacobian import (
+from lipvit.analysis.jacobian import (
     EXACT_MAX_SIZE,
     block_jacobian_sigma,
     jacobian_l1_linf_estimate,
 )
-from analysis.pgd import pgd_deviation
-from analysis.tightness import block_inputs, token_budgets
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.analysis.tightness import block_inputs, token_budgets
+from torch import Tensor
+
 from lipvit.model import ViT
 from lipvit.msvp import attention_modules
 from lipvit.spectral import spectral_norm
@@ -133,7 +133,7 @@ def jacobian_spectrum(
         model: a :class:`lipvit.ViT` in eval mode (float64 recommended).
         x: images ``(B, C, S, S)`` in ``[0, 1]``.
         mode: ``"exact"`` (dense Jacobian and SVD; refused above
-            :data:`analysis.jacobian.EXACT_MAX_SIZE` entries per token matrix),
+            :data:`lipvit.analysis.jacobian.EXACT_MAX_SIZE` entries per token matrix),
             ``"power"`` (JVP/VJP power iteration, an estimate from below) or
             ``"auto"`` (exact where the size allows).
         chunk: samples per dense-Jacobian batch (memory ``chunk · (N·D)²``).
@@ -211,7 +211,7 @@ class FirstOrder:
         product: ``ε · gain · Π_k (1 + σ_k)``, ``(E, B)``: the same first-order
             estimate for discrete residual steps (``‖I + J‖ ≤ 1 + ‖J‖``, which
             ``e^{‖J‖}`` bounds again); ``≤ first_order``, also not a bound.
-        certified: the sound budget of :func:`certify.network.network_bound`
+        certified: the sound budget of :func:`lipvit.certify.network.network_bound`
             after the last block, ``(E, B)``.
         pgd: PGD lower bound of the same deviation, ``(E, B)``.
         gain: :func:`embed_gain`.
@@ -256,7 +256,7 @@ def first_order_deviation(
             ``"lofast-fast"`` or ``"specformer"``).
         pgd_steps, pgd_restarts, seed: the PGD lower bound.
     """
-    from certify.network import network_bound
+    from lipvit.certify.network import network_bound
 
     values = np.asarray(list(eps), dtype=float)
     if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):

@@ -6,7 +6,7 @@ list of radii ε, every upper bound on the maximal deviation
     max_{‖X' − X‖_F ≤ ε} ‖F(X') − F(X)‖_F
 
 is set beside the deviation projected gradient ascent actually finds
-(:func:`analysis.pgd.pgd_deviation`, a **lower** bound of the same maximum).
+(:func:`lipvit.analysis.pgd.pgd_deviation`, a **lower** bound of the same maximum).
 The true maximum lies between the two, so ``bound / PGD`` is an upper bound of
 each bound's slack factor; a sound bound never falls below PGD (checked per
 sample: :attr:`Tightness.violations`).
@@ -21,7 +21,7 @@ Two targets:
   ``X`` while the attention sees that of ``norm1(X)``. Where ``norm1`` is not
   the identity (LayerNorm; LayerProject on inputs outside its ball, which is
   the usual case for the lipschitz family) the two do not share ``Γ`` and
-  :func:`certify.network.network_bound` bounds the attention with ``H = 0`` on
+  :func:`lipvit.certify.network.network_bound` bounds the attention with ``H = 0`` on
   ``Z`` and adds the residual separately; that ``H = 0`` map is then the one
   compared here. Only when ``norm1`` is the identity on the whole ball does
   the model's block equal LoFAST's residual layer (``H = I``).
@@ -30,7 +30,7 @@ Two targets:
   model's own block when ``norm1`` projects.
 * **the whole network** (:func:`network_tightness`): ``F`` maps the image (in
   ``[0, 1]``, perturbed in ℓ2 over the whole ball, no box) to the logits; the
-  bounds are :meth:`certify.network.NetworkBound.delta_out`.
+  bounds are :meth:`lipvit.certify.network.NetworkBound.delta_out`.
 
 Bounds (registry :data:`LAYER_METHODS`, :data:`NETWORK_METHODS`; docs/math.md §2, §3):
 
@@ -65,9 +65,9 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from lipvit.analysis.pgd import pgd_deviation
 from torch import Tensor, nn
 
-from analysis.pgd import pgd_deviation
 from lipvit.errors import UnsupportedModelError
 from lipvit.model import ViT
 
@@ -140,7 +140,7 @@ NETWORK_METHODS: dict[str, BoundMethod] = {
             "lofast",
             "LoFAST (composed, exact)",
             True,
-            "certify.network.network_bound, method lofast",
+            "lipvit.certify.network.network_bound, method lofast",
         ),
         BoundMethod(
             "lofast-fast",
@@ -177,7 +177,7 @@ DEFAULT_NETWORK_METHODS = ("lofast", "lofast-fast", "specformer", "crown")
 
 @dataclass(frozen=True)
 class PGDSettings:
-    """Settings of the PGD lower bound (:func:`analysis.pgd.pgd_deviation`)."""
+    """Settings of the PGD lower bound (:func:`lipvit.analysis.pgd.pgd_deviation`)."""
 
     steps: int = 200
     restarts: int = 8
@@ -207,7 +207,7 @@ class Tightness:
         traces: network target only: method → ``{"steps": names, "mean": (E, S+1),
             "mean_cls": (E, S+1)}``, the mean budgets of the whole token matrix
             and of the class token after each step of the composed bound
-            (:meth:`certify.network.NetworkBound.trace`; column 0 is the input),
+            (:meth:`lipvit.certify.network.NetworkBound.trace`; column 0 is the input),
             which show where the bound grows.
     """
 
@@ -344,7 +344,7 @@ def uniform_attention_note(Z: Tensor, W_q: Tensor, W_k: Tensor) -> str | None:
     variant equals the exact ζε: a tightness of 1.00× is then degenerate and
     says nothing about how tight the δ2 terms are.
     """
-    from certify.attention import attention_logits, query_key
+    from lipvit.certify.attention import attention_logits, query_key
 
     with torch.no_grad():
         logits = attention_logits(Z.double(), W_q.double(), W_k.double())
@@ -377,7 +377,7 @@ def _attention_weights(block) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def crown_available() -> bool:
     """Whether auto_LiRPA can be imported (the optional CROWN backend)."""
-    from certify.lirpa_compat import auto_lirpa_available
+    from lipvit.certify.lirpa_compat import auto_lirpa_available
 
     return auto_lirpa_available()
 
@@ -396,9 +396,10 @@ def box_to_l2(F0: Tensor, lb: Tensor, ub: Tensor) -> Tensor:
 class _LayerNet(nn.Module):
     """``vec(Z) ↦ vec(H Z + attn(Z))`` with verifier-friendly operators.
 
-    Input and output are flat, ``(B, N·D)``, as :func:`certify.crown.bound_module`
-    takes them; an identity ``Linear`` comes first because auto_LiRPA reads the
-    ℓ2 radius at the first linear map of the input.
+    Input and output are flat, ``(B, N·D)``, as
+    :func:`lipvit.certify.crown.bound_module` takes them; an identity ``Linear``
+    comes first because auto_LiRPA reads the ℓ2 radius at the first linear map of
+    the input.
     """
 
     def __init__(
@@ -409,7 +410,7 @@ class _LayerNet(nn.Module):
         dtype: torch.dtype,
     ):
         super().__init__()
-        from certify.verifiable import VerifiableAttention
+        from lipvit.certify.verifiable import VerifiableAttention
 
         n = shape[0] * shape[1]
         self.shape = shape
@@ -429,7 +430,7 @@ class _LayerNet(nn.Module):
 
 
 def _crown_layer(block, Z: Tensor, residual: bool, eps: float) -> Tensor:
-    from certify.crown import bound_module
+    from lipvit.certify.crown import bound_module
 
     B, N, D = Z.shape
     net = _LayerNet(block.attn, (N, D), residual, Z.dtype).to(Z.device)
@@ -441,7 +442,7 @@ def _crown_layer(block, Z: Tensor, residual: bool, eps: float) -> Tensor:
 
 
 def _crown_network(model: ViT, x: Tensor, eps: float) -> Tensor:
-    from certify.crown import crown_logit_bounds
+    from lipvit.certify.crown import crown_logit_bounds
 
     with torch.no_grad():
         F0 = model(x)
@@ -523,7 +524,7 @@ def layer_tightness(
         ValueError: bad layer, radii or method names.
         UnsupportedModelError: biased query/key maps.
     """
-    from certify.network import check_dot_attention
+    from lipvit.certify.network import check_dot_attention
 
     model = _check_model(model)
     check_dot_attention(model, "the layer tightness comparison (every bound in it)")
@@ -548,7 +549,8 @@ def layer_tightness(
         split = (
             "residual as in the model: norm1 is not the identity on the ball, so the "
             "residual does not share the attention input's perturbation; the "
-            "attention map itself (H = 0) is compared, as certify.network bounds it"
+            "attention map itself (H = 0) is compared, as lipvit.certify.network "
+            "bounds it"
         )
         notes.append(same if res else split)
     elif isinstance(residual, bool):
@@ -577,7 +579,7 @@ def layer_tightness(
         if n in ("naive", "lofast-xi", "lofast", "lofast-half", "lofast-local")
     ]
     if lofast_names:
-        from certify.lofast import lofast_terms
+        from lipvit.certify.lofast import lofast_terms
 
         if progress:
             progress("lofast terms")
@@ -596,7 +598,7 @@ def layer_tightness(
             bounds[name] = torch.stack([fields[name](b) for b in per_eps]).cpu().numpy()
             seconds[name] = seconds_all
     if "specformer" in names:
-        from certify.specformer import specformer_terms
+        from lipvit.certify.specformer import specformer_terms
 
         t0 = time.perf_counter()
         sf = specformer_terms(Z, *W, residual=res)
@@ -640,7 +642,7 @@ def layer_tightness(
 
 
 def token_budgets(trace: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Split :meth:`certify.network.NetworkBound.trace` into ``(all, cls)`` budgets.
+    """Split :meth:`~lipvit.certify.network.NetworkBound.trace` into ``(all, cls)``.
 
     ``all`` ``(B, S+1)`` bounds the whole token matrix's perturbation after each
     step, ``cls`` ``(B, S+1)`` the class token's (``None`` for a chain that
@@ -691,7 +693,7 @@ def network_tightness(
     Returns:
         :class:`Tightness` with ``target="network"``.
     """
-    from certify.network import network_bound
+    from lipvit.certify.network import network_bound
 
     model = _check_model(model)
     eps_arr = _check_eps_list(eps)
@@ -709,7 +711,7 @@ def network_tightness(
             if not crown_available():
                 notes.append("crown skipped: auto_LiRPA is not installed")
                 continue
-            from certify.crown import check_crown_support
+            from lipvit.certify.crown import check_crown_support
 
             try:
                 check_crown_support(model)
@@ -757,7 +759,7 @@ def tightness_figure(
 
     Returns a :class:`matplotlib.figure.Figure` (saved only when ``path`` is given).
     """
-    from analysis.plots import plot_tightness
+    from lipvit.analysis.plots import plot_tightness
 
     def band(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return a.mean(axis=1), a.min(axis=1), a.max(axis=1)

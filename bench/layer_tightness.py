@@ -20,7 +20,7 @@ Three settings (docs/math.md §5):
 3. ``qk x4``: as 1 with 4× larger ``W_q`` and ``W_k``.
 
 For every ε the table shows the PGD lower bound (the best of
-``analysis.pgd_deviation`` on the layer and the two feasible points
+``lipvit.analysis.pgd_deviation`` on the layer and the two feasible points
 ``X ± ε v``, ``v`` the top right singular vector of ζ's operator: PGD from
 random starts converges like power iteration, slowly on this clustered
 spectrum), ``ζ ε`` (exact maximum of the linear term Δ1), LoFAST's
@@ -43,12 +43,12 @@ import argparse
 import time
 
 import torch
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.attention import attention, attention_probs
+from lipvit.certify.lofast import lofast_terms, sensitivity_matvec, sensitivity_rmatvec
+from lipvit.certify.specformer import specformer_terms
 from torch import Tensor
 
-from analysis.pgd import pgd_deviation
-from certify.attention import attention, attention_probs
-from certify.lofast import lofast_terms, sensitivity_matvec, sensitivity_rmatvec
-from certify.specformer import specformer_terms
 from lipvit.layers import layer_project
 from lipvit.spectral import power_iteration
 

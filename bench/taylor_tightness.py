@@ -4,7 +4,7 @@ On the test points of a checkpoint (the same seeded subsample as ``lipvit
 certify --n``), in one run:
 
 * at ``--eps``: per point, ``max_j`` (bound on the margin drop of class j) over
-  ``max_j`` (largest drop PGD finds, :func:`analysis.pgd.pgd_margin_drop`),
+  ``max_j`` (largest drop PGD finds, :func:`lipvit.analysis.pgd.pgd_margin_drop`),
   for ``taylor`` (its per-class bounds) and ``lofast`` (``√2 δ_out``, Prop. 1);
   medians over the points where PGD finds a positive drop;
 * the median certified radius of each (bisection, tolerance ``--tol``) and the
@@ -24,11 +24,11 @@ import math
 import time
 
 import torch
+from lipvit.analysis.pgd import pgd_margin_drop
+from lipvit.certify.certification import certified_radius, margin
+from lipvit.certify.network import network_bound
+from lipvit.certify.taylor import taylor_bound
 
-from analysis.pgd import pgd_margin_drop
-from certify.certification import certified_radius, margin
-from certify.network import network_bound
-from certify.taylor import taylor_bound
 from lipvit.commands import _common as C
 
 

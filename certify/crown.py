@@ -14,7 +14,7 @@ Margins are bounded directly with a specification matrix ``C`` (row ``j`` is
 iff the clean point is classified ``y`` and every ``logit_y − logit_j``
 (``j ≠ y``) has a positive lower bound over the ball.
 
-Soundness. The model is rewritten by :func:`certify.verifiable.to_verifiable`
+Soundness. The model is rewritten by :func:`lipvit.certify.verifiable.to_verifiable`
 (same function, float64) and bounded by auto_LiRPA 0.3 with three safeguards,
 because parts of auto_LiRPA 0.3 are unsound and lipvit only trusts what it has
 reviewed and tests against sampling and PGD:
@@ -55,11 +55,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from lipvit.certify import lirpa_compat
+from lipvit.certify.network import check_dot_attention
+from lipvit.certify.verifiable import PROJECT_SCALE_OP, project_scale, to_verifiable
 from torch import Tensor, nn
 
-from certify import lirpa_compat
-from certify.network import check_dot_attention
-from certify.verifiable import PROJECT_SCALE_OP, project_scale, to_verifiable
 from lipvit.errors import UnsupportedModelError
 from lipvit.model import ViT
 
@@ -142,9 +142,9 @@ def project_scale_relaxation(
 
 @functools.cache
 def _bound_project_scale_class() -> type:
-    """auto_LiRPA operator class for :class:`certify.verifiable.ProjectScale`.
+    """auto_LiRPA operator class for :class:`lipvit.certify.verifiable.ProjectScale`.
 
-    Built on first use, after :func:`certify.lirpa_compat.import_auto_lirpa`.
+    Built on first use, after :func:`lipvit.certify.lirpa_compat.import_auto_lirpa`.
     """
     ops = importlib.import_module("auto_LiRPA.operators")
 

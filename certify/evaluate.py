@@ -7,7 +7,7 @@ Methods: ``lofast`` (exact ζ and ‖M_h‖, every number an upper bound),
 (auto_LiRPA CROWN on the whole network), ``cascade`` (``lofast`` first,
 CROWN only on the correctly classified samples ``lofast`` left uncertified),
 ``taylor`` (first-order-exact margins with certified remainders,
-:mod:`certify.taylor`, docs/taylor.md) and ``cascade-taylor`` (``taylor``
+:mod:`lipvit.certify.taylor`, docs/taylor.md) and ``cascade-taylor`` (``taylor``
 first, CROWN on the rest).
 """
 
@@ -18,18 +18,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
-
-from certify.certification import (
+from lipvit.certify.certification import (
     certified_margin,
     certified_radius,
     float64_model,
     is_certified,
     margin,
 )
-from certify.network import METHODS as BOUND_METHODS
-from certify.network import network_bound
-from certify.taylor import taylor_bound
+from lipvit.certify.network import METHODS as BOUND_METHODS
+from lipvit.certify.network import network_bound
+from lipvit.certify.taylor import taylor_bound
+from torch import Tensor
+
 from lipvit.model import ViT
 
 ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "cascade",
@@ -132,7 +132,7 @@ def certify_samples(
         the wall time that method needs for that ε alone, from scratch.
         Everything is computed in float64 (a float64 copy of a lower-precision
         model); certificates use margins rounded down and bounds rounded up
-        (:mod:`certify.certification`).
+        (:mod:`lipvit.certify.certification`).
     """
     _check(methods, eps_list)
     model = float64_model(model)
@@ -257,7 +257,7 @@ def certify_samples(
 def _crown_each(model: ViT, x: Tensor, y: Tensor, eps: float, advance) -> Tensor:
     """CROWN certificates one sample at a time (CROWN takes minutes per sample on
     a CPU: progress advances per sample)."""
-    from certify.crown import crown_certify
+    from lipvit.certify.crown import crown_certify
 
     out = []
     for i in range(x.shape[0]):  # on the chosen device

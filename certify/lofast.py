@@ -1,7 +1,8 @@
 """LoFAST: local sensitivity bounds of one attention layer (Havens et al., Theorem 1).
 
 ``‖F(X') − F(X)‖_F ≤ ζ(X) ε + δ2(X, ε)`` for every ``‖X' − X‖_F ≤ ε``, with
-``F(X) = H X + Σ_h P_h(X) X W_v[h] W_o[h]`` (:func:`certify.attention.attention`).
+``F(X) = H X + Σ_h P_h(X) X W_v[h] W_o[h]``
+(:func:`lipvit.certify.attention.attention`).
 
 Symbols (docs/math.md §2; shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H``
 heads, ``d`` head width):
@@ -46,7 +47,7 @@ covered by a margin, docs/math.md "Rounding"):
 
 * Gram size ``n ≤ EIGVALSH_MAX_N`` (256): dense Gram matrix, ``eigvalsh``
   plus the rounding margin (:func:`lipvit.spectral.eigvalsh_upper`).
-* larger: the structured certificates of :mod:`certify.structured`
+* larger: the structured certificates of :mod:`lipvit.certify.structured`
   (docs/structured-certificates.md), batched and matrix-free. ζ: a subspace
   bound (token-constant directions plus a block of subspace-iteration
   vectors; ``tr G`` and ``‖G‖_F²`` exact from the Kronecker structure;
@@ -78,16 +79,16 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
-
-from certify.attention import (
+from lipvit.certify.attention import (
     attention_logits,
     check_eps,
     check_layer,
     query_key,
     value_output,
 )
-from certify.structured import lemma2_structured_bound, zeta_certificate
+from lipvit.certify.structured import lemma2_structured_bound, zeta_certificate
+from torch import Tensor
+
 from lipvit.spectral import eigvalsh_upper, gamma, power_iteration, spectral_norm
 
 Op = Callable[[Tensor], Tensor]
@@ -201,7 +202,7 @@ def sensitivity_matrix(P: Tensor, W_vo: Tensor, residual: bool) -> Tensor:
     """Dense ``H ⊗ I_D + Σ_h P_h ⊗ W_vo[h]ᵀ`` of eq. (15), ``(B, N·D, N·D)``.
 
     Acts on ``vec(Γᵀ) = Γ.reshape(N·D)``; ``W_vo = W_v W_o`` (``(H, D, D)``,
-    :func:`certify.attention.value_output`). For tests and tiny sizes.
+    :func:`lipvit.certify.attention.value_output`). For tests and tiny sizes.
     """
     B, H, N, _ = P.shape
     D = W_vo.shape[-1]
@@ -507,7 +508,7 @@ def _key_sensitivity(
 def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> NormBound:
     """ζ upper bound ``(B,)``: the structured certificate, Cholesky where it is loose.
 
-    :func:`certify.structured.zeta_certificate` (docs/structured-certificates.md
+    :func:`lipvit.certify.structured.zeta_certificate` (docs/structured-certificates.md
     §4) for every sample; samples whose certificate exceeds its Ritz value
     (≤ ζ) by more than :data:`STRUCTURED_RTOL` get the dense Cholesky
     certificate too (:func:`certified_lambda_max`), and keep the smaller.

@@ -46,19 +46,19 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
-from torch import Tensor
-
-from certify.attention import value_output
-from certify.certification import float64_model
-from certify.local import (
+from lipvit.certify.attention import value_output
+from lipvit.certify.certification import float64_model
+from lipvit.certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_is_identity,
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
     linear_norm,
 )
-from certify.lofast import LoFASTTerms, eps_per_sample, lofast_terms
-from certify.specformer import specformer_terms
+from lipvit.certify.lofast import LoFASTTerms, eps_per_sample, lofast_terms
+from lipvit.certify.specformer import specformer_terms
+from torch import Tensor
+
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import LayerProject
 from lipvit.model import ViT

@@ -28,9 +28,8 @@ import math
 from typing import NamedTuple
 
 import torch
+from lipvit.certify.lofast import LoFASTTerms, softmax_local_constant
 from torch import Tensor
-
-from certify.lofast import LoFASTTerms, softmax_local_constant
 
 #: ``max_x |GELU''(x)| = 2 φ(0) = √(2/π)`` (erf GELU; GELU'' = φ(x)(2 − x²)).
 GELU_CURVATURE_MAX = math.sqrt(2 / math.pi)
@@ -262,7 +261,7 @@ def attention_remainder(terms: LoFASTTerms, beta: Tensor) -> Tensor:
     and ``‖r‖ ≤ Σ_h (c_h‖A_h‖β²/√d + c₂_h ρ_h²) ‖Π X M_h‖
     + min(c'_h ρ_h, √(2N)) ‖M_h‖ β`` with ``c_h`` the softmax Jacobian norm at
     ``S_h``, ``c'_h`` its local constant on the reachable logits
-    (:func:`certify.lofast.softmax_local_constant`) and ``c₂_h``
+    (:func:`lipvit.certify.lofast.softmax_local_constant`) and ``c₂_h``
     (:func:`softmax_curvature_constant`). ``(B,)``; ``terms`` of the bare
     attention at its clean input (any ``H``: the residual has no remainder).
     """

@@ -16,7 +16,7 @@ paper              code         meaning
 Theorem 4.2 (single head, no output projection):
 ``Lip_local(Att, X0) ≤ N(N+1) (‖X0‖_F + δ0)² [‖W^V‖‖W^Q‖‖W^K‖ + ‖W^V‖]``.
 The deviation bound is ``Lip_local · ε`` (mean value theorem on the convex
-ball). Extension to the layer of :func:`certify.attention.attention`
+ball). Extension to the layer of :func:`lipvit.certify.attention.attention`
 (docs/math.md §3): the Jacobian of ``Σ_h f_h(X) W_o[h]`` has norm at most
 ``Σ_h ‖W_o[h]‖ ‖J_{f_h}‖``, so the per-head bounds are multiplied by
 ``‖W_o[h]‖`` and summed; the residual adds ``‖H‖ = 1``.
@@ -54,10 +54,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from lipvit.certify.attention import check_layer, query_key
+from lipvit.certify.lofast import eps_per_sample
 from torch import Tensor
 
-from certify.attention import check_layer, query_key
-from certify.lofast import eps_per_sample
 from lipvit.spectral import spectral_norm
 
 Variant = Literal["paper", "repaired", "sound"]

@@ -283,7 +283,7 @@ def value_kappa(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Tensor:
 def gram_apply(Gamma: Tensor, P: Tensor, W_v: Tensor, W_o: Tensor,
                residual: bool) -> Tensor:
     """``G Γ = A*(A(Γ))`` for a block ``Γ`` ``(B, K, N, D)``, ``P`` ``(B, H, N, N)``."""
-    from certify.lofast import sensitivity_matvec, sensitivity_rmatvec
+    from lipvit.certify.lofast import sensitivity_matvec, sensitivity_rmatvec
 
     Pb = P[:, None]  # (B, 1, H, N, N)
     return sensitivity_rmatvec(sensitivity_matvec(Gamma, Pb, W_v, W_o, residual),
@@ -346,7 +346,7 @@ def zeta_certificate(
     Returns:
         :class:`ZetaCertificate`, ``(B,)`` each, float64.
     """
-    from certify.attention import value_output
+    from lipvit.certify.attention import value_output
 
     B, H, N, _ = P.shape
     D = W_v.shape[1]

@@ -14,13 +14,13 @@ to logits) and ``G_site`` (an additive injection at the site's output to the
 logits) are the clean point's exact Jacobians; ``c_jᵀJ`` and ``c_jᵀG_site``
 are gradients of the margin ``f_j − f_y`` with respect to the image and to a
 zero tensor added at the site's output, one backward pass per class, batched.
-``ρ_site`` (:mod:`certify.remainders`) bounds the remainder (or its weighted
+``ρ_site`` (:mod:`lipvit.certify.remainders`) bounds the remainder (or its weighted
 sum over tokens and units) when the site's input moves by at most ``β_site``.
 
 Perturbation budgets β (docs/taylor.md §8). On the residual stream
 ``s_0`` (block 0's input), ``s_1`` (block 0's middle), …, ``s_{2K}``:
 
-* **chain**: the LoFAST composition of :func:`certify.network.network_bound`
+* **chain**: the LoFAST composition of :func:`lipvit.certify.network.network_bound`
   (``NetworkBound.trace``: whole matrix and class token);
 * **recursion**: ``Γ_m = J_{m←x} Γ_x + Σ_{k≤m} J_{m:k} R_k`` gives
   ``β_m ≤ ‖J_{m←x}‖ ε + Σ_{k≤m} (Π_{i=k+1..m} λ_i) ρ^sub_k(β_{k−1})`` with
@@ -46,17 +46,15 @@ from typing import NamedTuple
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from torch import Tensor
-
-from certify.attention import attention
-from certify.certification import bisect_radius
-from certify.local import (
+from lipvit.certify.attention import attention
+from lipvit.certify.certification import bisect_radius
+from lipvit.certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
 )
-from certify.network import network_bound
-from certify.remainders import (
+from lipvit.certify.network import network_bound
+from lipvit.certify.remainders import (
     TokenRemainder,
     attention_jacobian_norm,
     attention_remainder,
@@ -65,6 +63,8 @@ from certify.remainders import (
     layernorm_curvature,
     relu_remainder,
 )
+from torch import Tensor
+
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import SLL, LayerProject
 from lipvit.model import MLP, ViT
@@ -504,7 +504,7 @@ class TaylorBound:
     delta_out: Callable[[Tensor], Tensor]
 
     def _eps(self, eps: float | Tensor) -> Tensor:
-        from certify.lofast import eps_per_sample
+        from lipvit.certify.lofast import eps_per_sample
 
         m = self.margins
         return eps_per_sample(eps, m.shape[0], m.dtype, m.device)
@@ -531,7 +531,7 @@ class TaylorBound:
     def radius(self, rtol: float = 1e-3, tol: float = 0.0, max_radius: float = 10.0,
                certified_at=()) -> Tensor:
         """Certified radius by bisection (the sound, lower end), ``(B,)``; the
-        arguments as in :func:`certify.certification.bisect_radius`."""
+        arguments as in :func:`lipvit.certify.certification.bisect_radius`."""
         positive = (self.margins > 0).all(dim=1)
         return bisect_radius(self.certified, positive, dtype=self.margins.dtype,
                              rtol=rtol, tol=tol, max_radius=max_radius,

@@ -3,7 +3,7 @@
 :func:`to_verifiable` returns a plain ``nn.Module`` computing the same function
 as ``model.double()`` (equal to float rounding; the tests check 1e-6) with only
 operators whose auto_LiRPA 0.3 bounds lipvit has reviewed (see
-:mod:`certify.crown`), plus one operator of our own:
+:mod:`lipvit.certify.crown`), plus one operator of our own:
 
 =================================  ==============================================
 model                              verifiable model
@@ -19,7 +19,7 @@ LayerProject (LoFAST eq. 29)       ``x · ψ_R(Σ x²)`` with ``ψ_R(s) = min(1,
 SLL                                ``x + ReLU(x W_1ᵀ + b) M`` with ``M = −2 T⁻¹ W_1``
 LayerNorm                          ``(x − μ) · 1/√(mean((x − μ)²) + η) · γ + β``
 GELU (exact, erf form)             ``½ x (1 + erf(x/√2))`` (auto_LiRPA 0.3 has no
-                                   bound for ``erf``: see :mod:`certify.crown`)
+                                   bound for ``erf``: see :mod:`lipvit.certify.crown`)
 head on the class token            indexing ``x[:, 0]`` then a ``Linear``
 =================================  ==============================================
 
@@ -63,7 +63,7 @@ def project_scale(s: Tensor, radius: float) -> Tensor:
 class ProjectScale(torch.autograd.Function):
     """:func:`project_scale` as one graph operator (``lipvit::ProjectScale``).
 
-    auto_LiRPA bounds it with :class:`certify.crown`'s relaxation; in plain
+    auto_LiRPA bounds it with :class:`lipvit.certify.crown`'s relaxation; in plain
     torch it is :func:`project_scale` (with its gradient).
     """
 

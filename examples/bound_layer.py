@@ -14,10 +14,9 @@ import argparse
 import os
 
 import torch
-
-from analysis.pgd import pgd_deviation
-from certify.attention import attention
-from certify.lofast import lofast_bound
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.attention import attention
+from lipvit.certify.lofast import lofast_bound
 
 
 def main() -> None:

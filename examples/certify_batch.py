@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from lipvit.analysis.tightness import token_budgets
+from lipvit.certify.certification import certified_radius, is_certified, margin
+from lipvit.certify.network import network_bound
 
 import lipvit
-from analysis.tightness import token_budgets
-from certify.certification import certified_radius, is_certified, margin
-from certify.network import network_bound
 from lipvit.checkpoint import load_checkpoint
 from lipvit.data import load_dataset
 from lipvit.train import train, train_config_for

@@ -17,8 +17,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from lipvit.analysis.compare import (
+    CompareSettings,
+    markdown_table,
+    run_compare,
+    write_report,
+)
 
-from analysis.compare import CompareSettings, markdown_table, run_compare, write_report
 from lipvit.config import ATTENTIONS
 from lipvit.data import load_dataset
 

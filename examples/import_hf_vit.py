@@ -21,10 +21,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from analysis import jacobian_spectrum
-from analysis.tightness import block_inputs
-from certify import (
+from lipvit.analysis import jacobian_spectrum
+from lipvit.analysis.tightness import block_inputs
+from lipvit.certify import (
     certified_radius,
     is_certified,
     lofast_bound,
@@ -32,6 +31,7 @@ from certify import (
     network_bound,
     specformer_bound,
 )
+
 from lipvit import load_checkpoint, load_dataset
 from lipvit.interop import small_transformers_vit
 

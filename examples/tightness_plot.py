@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 
 import torch
+from lipvit.analysis.tightness import PGDSettings, layer_tightness, tightness_figure
 
 import lipvit
-from analysis.tightness import PGDSettings, layer_tightness, tightness_figure
 from lipvit.checkpoint import load_checkpoint
 from lipvit.data import load_dataset
 

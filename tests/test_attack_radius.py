@@ -1,5 +1,5 @@
-"""Tests for analysis.attack_radius: verified attack radii, per-sample ε, soundness
-of certified radii against them (float64, tiny models)."""
+"""Tests for lipvit.analysis.attack_radius: verified attack radii, per-sample ε,
+soundness of certified radii against them (float64, tiny models)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from lipvit.analysis import attack_radius as AR
+from lipvit.analysis.gap import Gap, violations
+from lipvit.certify.evaluate import certify_samples
 from torch import nn
 
 import lipvit
-from analysis import attack_radius as AR
-from analysis.gap import Gap, violations
-from certify.evaluate import certify_samples
 
 pytest.importorskip("torchattacks")
 

@@ -1,4 +1,4 @@
-"""Tests for analysis.attacks: robust accuracy through torchattacks, tiny ViT."""
+"""Tests for lipvit.analysis.attacks: robust accuracy through torchattacks, tiny ViT."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lipvit.analysis import attacks as A
 
 import lipvit
-from analysis import attacks as A
 from lipvit.data import load_dataset
 
 pytest.importorskip("torchattacks")

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from lipvit.analysis.attacks import robust_accuracy
+from lipvit.analysis.jacobian import block_jacobian_sigma, full_jacobian
+from lipvit.analysis.spectrum import jacobian_spectrum, weight_spectra
+from lipvit.analysis.tightness import layer_tightness, network_tightness
+from lipvit.certify.crown import check_crown_support
+from lipvit.certify.network import network_bound
 
-from analysis.attacks import robust_accuracy
-from analysis.jacobian import block_jacobian_sigma, full_jacobian
-from analysis.spectrum import jacobian_spectrum, weight_spectra
-from analysis.tightness import layer_tightness, network_tightness
-from certify.crown import check_crown_support
-from certify.network import network_bound
 from lipvit.attention import ConvMixing, L2Attention, LipNormAttention, SCSAttention
 from lipvit.checkpoint import load_checkpoint, save_checkpoint
 from lipvit.cli import main
@@ -216,7 +216,7 @@ def test_conv_is_local(kernel: int) -> None:
 
 
 def test_conv_pools_all_tokens() -> None:
-    from analysis.features import penultimate_features
+    from lipvit.analysis.features import penultimate_features
 
     model = _model("conv")
     tokens = torch.randn(2, 17, 16, dtype=torch.float64)

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torchattacks
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.certification import certified_radius, is_certified, margin
+from lipvit.certify.evaluate import certify_samples
+from lipvit.certify.network import class_row_sensitivity, network_bound
 
 import lipvit
-from analysis.pgd import pgd_deviation
-from certify.certification import certified_radius, is_certified, margin
-from certify.evaluate import certify_samples
-from certify.network import class_row_sensitivity, network_bound
 from lipvit.checkpoint import load_checkpoint
 
 

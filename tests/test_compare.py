@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from lipvit.analysis.compare import CompareSettings, runs
 
-from analysis.compare import CompareSettings, runs
 from lipvit.cli import main
 
 FAST = ["compare", "--fast", "--attention", "dot,l2,conv", "--n", "8",

@@ -1,4 +1,4 @@
-"""Tests for certify.verifiable, certify.lirpa_compat and certify.crown (CROWN backend).
+"""Tests for lipvit.certify.verifiable, .lirpa_compat and .crown (CROWN backend).
 
 The verifiable-model tests need no auto_LiRPA. The bound tests (marked
 ``crown``) are skipped when auto_LiRPA cannot be imported; they check CROWN's
@@ -17,17 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import lipvit
-from certify import crown
-from certify.lirpa_compat import INSTALL_HINT, auto_lirpa_available
-from certify.verifiable import (
+from lipvit.certify import crown
+from lipvit.certify.lirpa_compat import INSTALL_HINT, auto_lirpa_available
+from lipvit.certify.verifiable import (
     ProjectScale,
     VerifiableLayerProject,
     project_scale,
     to_verifiable,
 )
+from torch import nn
+
+import lipvit
 from lipvit.config import ViTConfig
 from lipvit.data import load_dataset
 from lipvit.errors import LipvitError, UnsupportedModelError
@@ -184,7 +184,7 @@ def test_bad_inputs_raise(kwargs, error):
 @pytest.mark.crown
 @needs_lirpa
 def test_compat_import_is_idempotent_and_parameters_keep_their_names():
-    from certify import lirpa_compat
+    from lipvit.certify import lirpa_compat
 
     lirpa = lirpa_compat.import_auto_lirpa()
     applied = list(lirpa_compat.APPLIED)

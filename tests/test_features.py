@@ -1,13 +1,13 @@
-"""Tests for analysis.features: penultimate features, A-distance, feature shift."""
+"""Tests for lipvit.analysis.features: penultimate features, A-distance, shift."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from lipvit.analysis import features as Fe
 
 import lipvit
-from analysis import features as Fe
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,16 +1,16 @@
-"""Tests for analysis.jacobian against dense Jacobians built independently."""
+"""Tests for lipvit.analysis.jacobian against dense Jacobians built independently."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor, nn
-
-from analysis.jacobian import (
+from lipvit.analysis.jacobian import (
     block_jacobian_sigma,
     full_jacobian,
     jacobian_l1_linf_estimate,
 )
+from torch import Tensor, nn
+
 from lipvit import ViT, ViTConfig
 
 DT = torch.float64

@@ -1,4 +1,4 @@
-"""Soundness of certify.local: PGD lower bounds and exact Jacobians never beat them."""
+"""Soundness of lipvit.certify.local: PGD and exact Jacobians never beat its bounds."""
 
 from __future__ import annotations
 
@@ -6,12 +6,9 @@ import math
 
 import pytest
 import torch
-from torch import Tensor
-from torch.nn import functional as F
-
-from analysis import pgd_deviation
-from analysis.jacobian import block_jacobian_sigma
-from certify.local import (
+from lipvit.analysis import pgd_deviation
+from lipvit.analysis.jacobian import block_jacobian_sigma
+from lipvit.certify.local import (
     GELU_DERIV_MAX,
     gelu_deriv_max,
     gelu_mlp_local_lipschitz,
@@ -20,6 +17,9 @@ from certify.local import (
     layernorm_local_lipschitz,
     linear_norm,
 )
+from torch import Tensor
+from torch.nn import functional as F
+
 from lipvit.layers import layer_project
 
 DT = torch.float64

@@ -1,4 +1,4 @@
-"""Tests for certify.attention and certify.lofast (LoFAST Theorem 1 and extensions).
+"""Tests for lipvit.certify.attention and .lofast (LoFAST Theorem 1 and extensions).
 
 Brute force at tiny sizes (explicit Kronecker / Lemma-2 matrices built with
 ``torch.kron`` from the paper's formulas), PGD lower bounds, closed forms.
@@ -11,13 +11,10 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
-import lipvit
-from analysis.pgd import pgd_deviation
-from certify import lofast as L
-from certify.attention import attention, attention_probs, query_key, value_output
-from certify.lofast import (
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify import lofast as L
+from lipvit.certify.attention import attention, attention_probs, query_key, value_output
+from lipvit.certify.lofast import (
     certified_lambda_max,
     key_sensitivity,
     lemma2_norm,
@@ -25,6 +22,9 @@ from certify.lofast import (
     lofast_terms,
     softmax_local_constant,
 )
+from torch import nn
+
+import lipvit
 
 DT = torch.float64
 TOTALS = ("total_local", "total_half", "total", "total_fast")

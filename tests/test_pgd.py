@@ -1,4 +1,4 @@
-"""Tests for analysis.pgd: closed forms (linear maps), feasibility, validation."""
+"""Tests for lipvit.analysis.pgd: closed forms (linear maps), feasibility, checks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from analysis import pgd_deviation
+from lipvit.analysis import pgd_deviation
 
 DT = torch.float64
 

@@ -13,8 +13,8 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
+from lipvit.analysis.report import Report, md_table, pipeline_report
 
-from analysis.report import Report, md_table, pipeline_report
 from lipvit.cli import main
 from lipvit.commands.pipeline import Settings, build_plan
 

@@ -1,13 +1,12 @@
-"""Tests for analysis.plots: Figures with the expected axes, series, labels, scales."""
+"""Tests for lipvit.analysis.plots: Figures with the expected axes, series, scales."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from lipvit.analysis import plots as P
 from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.figure import Figure
-
-from analysis import plots as P
 
 EPS = np.array([0.01, 0.02, 0.05, 0.1])
 

@@ -42,15 +42,16 @@ def test_public_names_are_pinned_and_resolve(package: str) -> None:
 
 
 def test_public_names_do_not_hide_submodules() -> None:
-    import analysis.spectrum
-    import certify.lofast
+    import lipvit.analysis.spectrum
+    import lipvit.certify.lofast
 
-    assert analysis.spectrum.__name__ == "analysis.spectrum"
-    assert certify.lofast.__name__ == "certify.lofast"
+    assert lipvit.analysis.spectrum.__name__ == "lipvit.analysis.spectrum"
+    assert lipvit.certify.lofast.__name__ == "lipvit.certify.lofast"
 
 
 def test_certification_runs_in_float64_whatever_the_model_dtype(digits) -> None:
-    import certify
+    import lipvit.certify
+
     import lipvit
 
     torch.manual_seed(0)
@@ -59,19 +60,19 @@ def test_certification_runs_in_float64_whatever_the_model_dtype(digits) -> None:
     model64.load_state_dict(model32.state_dict())
     model64 = model64.double()
     x, y = digits.x_test[:6], digits.y_test[:6]
-    b32 = certify.network_bound(model32, x)
-    b64 = certify.network_bound(model64, x.double())
+    b32 = lipvit.certify.network_bound(model32, x)
+    b64 = lipvit.certify.network_bound(model64, x.double())
     assert next(model32.parameters()).dtype == torch.float32  # left untouched
     assert b32.logits.dtype == torch.float64
     assert torch.equal(b32.delta_out(0.01), b64.delta_out(0.01))
-    r32 = certify.certify_samples(model32, x, y, ["lofast"], [0.01], radius=True)
-    r64 = certify.certify_samples(model64, x, y, ["lofast"], [0.01], radius=True)
+    r32 = lipvit.certify.certify_samples(model32, x, y, ["lofast"], [0.01], radius=True)
+    r64 = lipvit.certify.certify_samples(model64, x, y, ["lofast"], [0.01], radius=True)
     assert torch.equal(r32.radii["lofast"], r64.radii["lofast"])
     assert torch.equal(r32.margins, r64.margins)
 
 
 def test_certificates_round_in_the_safe_direction() -> None:
-    from certify.certification import ROUNDING, certified_margin, is_certified
+    from lipvit.certify.certification import ROUNDING, certified_margin, is_certified
 
     m = torch.tensor([1.0], dtype=torch.float64)
     # Exactly at the threshold M = √2 δ: not certified, nor just below it.

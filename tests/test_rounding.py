@@ -13,9 +13,13 @@ from __future__ import annotations
 import mpmath
 import pytest
 import torch
+from lipvit.certify.lofast import (
+    _key_sensitivity,
+    certified_lambda_max,
+    sensitivity_matrix,
+)
+from lipvit.certify.network import class_row_sensitivity
 
-from certify.lofast import _key_sensitivity, certified_lambda_max, sensitivity_matrix
-from certify.network import class_row_sensitivity
 from lipvit.spectral import eigvalsh_upper
 
 DT = torch.float64
@@ -77,7 +81,7 @@ def test_zeta_and_zeta_cls_are_above_the_exact_values(seed):
 
 
 def test_layer_project_identity_holds_in_exact_arithmetic():
-    from certify.local import layer_project_is_identity
+    from lipvit.certify.local import layer_project_is_identity
 
     g = torch.Generator().manual_seed(0)
     R, wrong = 1.0, 0

@@ -1,4 +1,4 @@
-"""Tests for certify.specformer (SpecFormer Theorem 4.2, eq. 9, and its repair).
+"""Tests for lipvit.certify.specformer (SpecFormer Theorem 4.2, eq. 9, and its repair).
 
 Finding asserted here: eq. (9) is *not* an upper bound when
 ``(N+1)(‖X0‖_F + δ0)² < 1`` (e.g. ``X0 = 0``); the repaired variant is, and
@@ -13,12 +13,12 @@ import math
 
 import pytest
 import torch
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.attention import attention
+from lipvit.certify.network import network_bound
+from lipvit.certify.specformer import specformer_bound, specformer_terms
 
 import lipvit
-from analysis.pgd import pgd_deviation
-from certify.attention import attention
-from certify.network import network_bound
-from certify.specformer import specformer_bound, specformer_terms
 
 DT = torch.float64
 

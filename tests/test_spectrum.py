@@ -1,4 +1,4 @@
-"""Tests for analysis.spectrum and `lipvit spectrum`: exact weight spectra, block
+"""Tests for lipvit.analysis.spectrum and `lipvit spectrum`: exact weight spectra, block
 Jacobians against brute force, the first-order comparison, files versus table."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from lipvit.analysis import spectrum as S
+from lipvit.analysis.jacobian import full_jacobian
 from matplotlib.figure import Figure
 
 import lipvit
-from analysis import spectrum as S
-from analysis.jacobian import full_jacobian
 from lipvit.cli import main
 from lipvit.data import load_dataset
 from lipvit.train import train, train_config_for
@@ -269,7 +269,7 @@ def test_command_files_agree_with_tables(ckpts, tmp_path):
 
 
 def test_figures(models, data):
-    from analysis.plots import plot_jacobian_violin, plot_spectra
+    from lipvit.analysis.plots import plot_jacobian_violin, plot_spectra
 
     w = {k: S.weight_spectra(m) for k, m in models.items()}
     fig = plot_spectra(w)

@@ -11,14 +11,12 @@ import pytest
 import torch
 import torchattacks
 from click.testing import CliRunner
-
-import lipvit
-from analysis.pgd import pgd_deviation, pgd_margin_drop
-from certify.attention import attention
-from certify.certification import bisect_radius
-from certify.evaluate import certify_samples
-from certify.lofast import lofast_terms
-from certify.remainders import (
+from lipvit.analysis.pgd import pgd_deviation, pgd_margin_drop
+from lipvit.certify.attention import attention
+from lipvit.certify.certification import bisect_radius
+from lipvit.certify.evaluate import certify_samples
+from lipvit.certify.lofast import lofast_terms
+from lipvit.certify.remainders import (
     GELU_CURVATURE_MAX,
     attention_jacobian_norm,
     attention_remainder,
@@ -28,7 +26,9 @@ from certify.remainders import (
     relu_remainder,
     softmax_curvature_constant,
 )
-from certify.taylor import forward, taylor_bound
+from lipvit.certify.taylor import forward, taylor_bound
+
+import lipvit
 from lipvit.cli import main
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import layer_project

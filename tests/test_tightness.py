@@ -1,5 +1,5 @@
-"""Tests for analysis.tightness and `lipvit tightness`: soundness against PGD, the
-residual choice, the figure, and the command's files agreeing with its table."""
+"""Tests for lipvit.analysis.tightness and `lipvit tightness`: soundness against
+PGD, the residual choice, the figure, and the command's files matching its table."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from lipvit.analysis import plots as P
+from lipvit.analysis import tightness as T
 from matplotlib.figure import Figure
 
 import lipvit
-from analysis import plots as P
-from analysis import tightness as T
 from lipvit.cli import main
 from lipvit.data import load_dataset
 from lipvit.errors import UnsupportedModelError
@@ -114,7 +114,7 @@ def test_layer_pgd_matches_model_block(model, images):
     Z = model.blocks[0].norm1(X)
     assert torch.allclose(torch.linalg.matrix_norm(Z), torch.ones(4, dtype=Z.dtype))
     # A linear-in-ε sanity check: the deviation at the tiny radius is about ζ ε.
-    from certify.lofast import lofast_terms
+    from lipvit.certify.lofast import lofast_terms
 
     W = [w.detach() for w in model.blocks[0].attn.head_weights()]
     zeta = lofast_terms(Z, *W, residual=False).zeta

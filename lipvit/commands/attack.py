@@ -8,14 +8,14 @@ from pathlib import Path
 
 import click
 
-from analysis.attack_radius import (
+from lipvit.analysis.attack_radius import (
     RADIUS_ATTACKS,
     RadiusResult,
     RadiusSettings,
     attack_radius,
     summary,
 )
-from analysis.attacks import (
+from lipvit.analysis.attacks import (
     ATTACK_PRESETS,
     ATTACKS,
     AttackResult,

@@ -9,7 +9,12 @@ import click
 import torch
 from tqdm import tqdm
 
-from certify.evaluate import ALL_METHODS, QUANTITIES, CertifyReport, certify_samples
+from lipvit.certify.evaluate import (
+    ALL_METHODS,
+    QUANTITIES,
+    CertifyReport,
+    certify_samples,
+)
 from lipvit.commands import _common as C
 from lipvit.train import cpu_threads
 

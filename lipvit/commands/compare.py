@@ -1,7 +1,7 @@
 """``lipvit compare``: every attention × MSVP on/off, trained and evaluated alike.
 
-Thin wiring of :mod:`analysis.compare`: parse, build a
-:class:`~analysis.compare.CompareSettings`, run, write the report.
+Thin wiring of :mod:`lipvit.analysis.compare`: parse, build a
+:class:`~lipvit.analysis.compare.CompareSettings`, run, write the report.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def compare(out: Path, dataset: str, data_dir: Path | None, preset_name: str,
     the same OUT are refused unless --force; other evaluation settings redo
     the evaluations.
     """
-    from analysis.compare import (
+    from lipvit.analysis.compare import (
         CompareSettings,
         markdown_table,
         run_compare,

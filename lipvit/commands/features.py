@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from analysis.attacks import ATTACKS
+from lipvit.analysis.attacks import ATTACKS
 from lipvit.commands import _common as C
 
 FILES = ("tsne.png", "features.json", "tsne.csv")
@@ -39,8 +39,10 @@ def features(ckpt: Path, out: Path, attack_name: str, eps_text: str, norm: str,
              force: bool) -> None:
     """t-SNE of penultimate features of clean and attacked test points, with
     the proxy A-distance between the two sets (SpecFormer Fig. 2b-c)."""
-    from analysis.features import feature_shift  # sklearn, matplotlib: slow imports
-    from analysis.plots import plot_tsne
+    from lipvit.analysis.features import (
+        feature_shift,  # sklearn, matplotlib: slow imports
+    )
+    from lipvit.analysis.plots import plot_tsne
 
     name = C.parse_names(attack_name, ATTACKS, "attack")
     if len(name) != 1:

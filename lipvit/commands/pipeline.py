@@ -58,7 +58,7 @@ class Settings:
     attack_steps: int = 20
     certify_eps: str = "0.002,0.005,0.01,0.02,0.05"
     certify_n: int = 100
-    certify_methods: str = "lofast,lofast-fast,specformer"  # radii: the gap figure
+    certify_methods: str = "lofast,lofast-fast,specformer,taylor"  # radii: gap figure
     radius_attacks: str = "pgd-l2,apgd-t,cw"  # attack radii of the lipschitz model
     radius_steps: int = 20
     radius_restarts: int = 1
@@ -117,7 +117,7 @@ class Step:
 
     def line(self) -> str:
         """The reproducing command line."""
-        from analysis.report import command_line
+        from lipvit.analysis.report import command_line
 
         return command_line([self.command.name, *self.args])
 
@@ -496,7 +496,7 @@ def check_settings(plan: Plan) -> None:
 
 def write_report(plan: Plan, record: dict[str, Any]) -> Path:
     """Write ``OUT/report.md`` (always rewritten: it only reads the results)."""
-    from analysis.report import pipeline_report
+    from lipvit.analysis.report import pipeline_report
 
     commands = {step.key: step.line() for step in plan.steps}
     path = plan.out / "report.md"
@@ -615,7 +615,7 @@ def pipeline(
     spectra, and write OUT/report.md (steps whose outputs exist are skipped)."""
     import dataclasses
 
-    from analysis.tightness import crown_available
+    from lipvit.analysis.tightness import crown_available
 
     settings = Settings.fast_mode() if fast else Settings()
     overrides = {

@@ -148,7 +148,9 @@ def certified(results: tuple[Path, ...], out: Path, x_axis: str, title: str | No
     """Certified accuracy against eps or radius from `lipvit certify --json`
     files, several runs and methods overlaid; `lipvit attack --json` files
     (l2) add the attacks' robust accuracy as the empirical ceiling."""
-    from analysis.plots import plot_certified_accuracy  # matplotlib: a slow import
+    from lipvit.analysis.plots import (
+        plot_certified_accuracy,  # matplotlib: a slow import
+    )
 
     out_png = out if out.suffix else out.with_suffix(".png")
     targets = [out_png] + ([out_png.with_suffix(".pdf")]
@@ -204,8 +206,10 @@ def gap(certify_json: Path, attack_json: Path, out: Path, method_text: str | Non
     """Certification gap: per sample, the certified radius (`lipvit certify --radius
     --json`) against the smallest adversarial radius (`lipvit attack --radius
     --json`), matched by sample index, with the y = x line."""
-    from analysis.gap import join, summary_rows, violations
-    from analysis.plots import plot_certification_gap  # matplotlib: a slow import
+    from lipvit.analysis.gap import join, summary_rows, violations
+    from lipvit.analysis.plots import (
+        plot_certification_gap,  # matplotlib: a slow import
+    )
 
     out_png = out if out.suffix else out.with_suffix(".png")
     targets = [out_png] + ([out_png.with_suffix(".pdf")]

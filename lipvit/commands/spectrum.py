@@ -111,9 +111,9 @@ def write_outputs(
     pdf: bool = False,
     force: bool = False,
 ) -> list[Path]:
-    """Write figures, CSVs and JSON for label → :class:`analysis.spectrum.Spectrum`."""
-    from analysis.plots import plot_jacobian_violin, plot_spectra
-    from analysis.spectrum import PENALISED, compare_weights
+    """Write figures, CSVs and JSON for label → :class:`~.spectrum.Spectrum`."""
+    from lipvit.analysis.plots import plot_jacobian_violin, plot_spectra
+    from lipvit.analysis.spectrum import PENALISED, compare_weights
 
     paths = output_paths(out, pdf)
     out.mkdir(parents=True, exist_ok=True)
@@ -320,8 +320,8 @@ def spectrum(
     """Exact σ_max of every head's W_q, W_k, W_v and W_v W_o per checkpoint (SpecFormer
     Fig. 2a), block-Jacobian σ_max and sqrt(‖J‖₁‖J‖∞) at test inputs (Cauchy-problem
     paper Fig. 3, Tables 1-2), and ε·exp(Σσ_k) beside the certified bound."""
-    from analysis.spectrum import PENALISED, compare_weights
-    from analysis.spectrum import spectrum as compute
+    from lipvit.analysis.spectrum import PENALISED, compare_weights
+    from lipvit.analysis.spectrum import spectrum as compute
 
     names = checkpoint_labels(list(ckpt), labels)
     eps = [] if eps_text.strip().lower() == "none" else C.parse_floats(eps_text, "eps")

@@ -57,8 +57,8 @@ def write_outputs(
     pdf: bool = False,
     force: bool = False,
 ) -> list[Path]:
-    """Write the figure, CSV and JSON of a :class:`analysis.tightness.Tightness`."""
-    from analysis.tightness import tightness_figure
+    """Write the figure, CSV and JSON of a :class:`~.tightness.Tightness`."""
+    from lipvit.analysis.tightness import tightness_figure
 
     paths = output_paths(out, pdf)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ def tightness(
 ) -> None:
     """Upper bounds on the output deviation against the PGD lower bound, across eps
     (LoFAST Fig. 1 and Table 3): mean and min-max over samples, ratio bound/PGD."""
-    from analysis.tightness import (
+    from lipvit.analysis.tightness import (
         DEFAULT_LAYER_METHODS,
         DEFAULT_NETWORK_METHODS,
         LAYER_METHODS,
