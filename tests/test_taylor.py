@@ -28,12 +28,10 @@ from lipvit.certify.remainders import (
 )
 from lipvit.certify.taylor import forward, taylor_bound
 
-import lipvit
 from lipvit.cli import main
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import layer_project
 from lipvit.model import ViT
-from lipvit.train import train, train_config_for
 from tests.conftest import tiny_config
 
 F64 = torch.float64
@@ -281,19 +279,9 @@ def test_bisect_radius_closed_form():
 
 
 @pytest.fixture(scope="module")
-def ckpt(digits, tmp_path_factory):
-    cfg = lipvit.preset(
-        "digits-tiny", family="lipschitz", mean=digits.mean, std=digits.std
-    )
-    out = tmp_path_factory.mktemp("taylor") / "lip.pt"
-    train(
-        cfg,
-        train_config_for("lipschitz", epochs=3, device="cpu"),
-        digits,
-        out,
-        progress=False,
-    )
-    return out
+def ckpt(trained_ckpts):
+    """The session's trained lipschitz digits model (tests/conftest.py)."""
+    return trained_ckpts["lipschitz"]
 
 
 def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits):
