@@ -13,6 +13,7 @@ first, CROWN on the rest).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -264,3 +265,56 @@ def _crown_each(model: ViT, x: Tensor, y: Tensor, eps: float, advance) -> Tensor
         out.append(crown_certify(model, x[i:i + 1], y[i:i + 1], eps, device=x.device))
         advance(1)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
+
+
+def report_record(report: CertifyReport) -> dict:
+    """``report`` as plain Python values (lists, floats, bools), for a shard file
+    or for sending to another process; :func:`merge_records` reads it back."""
+    return {
+        "n": report.n,
+        "labels": report.labels.tolist(),
+        "predictions": report.predictions.tolist(),
+        "margins": report.margins.tolist(),
+        "results": [dataclasses.asdict(r) for r in report.results],
+        "certified": {k: v.tolist() for k, v in report.certified.items()},
+        "radii": {k: v.tolist() for k, v in report.radii.items()},
+    }
+
+
+def merge_records(records: Sequence[dict]) -> CertifyReport:
+    """One report from the :func:`report_record` of consecutive shards of samples.
+
+    Per-sample values are concatenated in shard order (empty shards are
+    skipped) and every certified accuracy is recomputed from them, exactly as a
+    single run on all samples computes it. ``seconds_per_sample`` is the mean
+    over all samples of each shard's own timing (the work time summed over the
+    shards, per sample; not the wall time of the parallel run).
+    """
+    parts = [r for r in records if r["n"] > 0]
+    if not parts:
+        raise ValueError("no samples in any shard")
+    n = sum(r["n"] for r in parts)
+
+    def cat(key: str, dtype: torch.dtype, sub: str | None = None) -> Tensor:
+        return torch.tensor([v for r in parts
+                             for v in (r[key] if sub is None else r[key][sub])],
+                            dtype=dtype)
+
+    certified = {k: cat("certified", torch.bool, k) for k in parts[0]["certified"]}
+    results = []
+    for i, first in enumerate(parts[0]["results"]):
+        key = f"{first['method']}@{first['eps']}"
+        seconds = sum(r["results"][i]["seconds_per_sample"] * r["n"] for r in parts)
+        results.append(dataclasses.replace(
+            MethodResult(**first),
+            certified_accuracy=float(certified[key].float().mean()),
+            seconds_per_sample=seconds / n))
+    return CertifyReport(
+        n=n,
+        labels=cat("labels", torch.int64),
+        predictions=cat("predictions", torch.int64),
+        margins=cat("margins", torch.float64),
+        results=results,
+        certified=certified,
+        radii={k: cat("radii", torch.float64, k) for k in parts[0]["radii"]},
+    )

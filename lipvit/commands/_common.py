@@ -57,8 +57,10 @@ device_option = click.option(
     "--device", default="auto", show_default=True,
     help="torch device: auto (cuda when available, else cpu), cpu, cuda, cuda:N")
 n_option = click.option(
-    "--n", "n", type=click.IntRange(min=1), default=None,
-    help="use N test samples (a fixed seeded subsample; default: all)")
+    "--n", "--samples", "n", type=click.IntRange(min=1), default=None,
+    help="use N test samples (a fixed seeded subsample; default: all); spell it "
+         "--samples after `torchrun ... -m lipvit`, whose parser takes --n for "
+         "its own options")
 batch_size_option = click.option(
     "--batch-size", type=click.IntRange(min=1), default=256, show_default=True,
     help="samples per batch")

@@ -14,8 +14,21 @@ from lipvit.certify.evaluate import (
     QUANTITIES,
     CertifyReport,
     certify_samples,
+    merge_records,
+    report_record,
 )
 from lipvit.commands import _common as C
+from lipvit.distributed import (
+    barrier,
+    gather_to_root,
+    load_shard,
+    process_group,
+    rank_device,
+    ranks_from_env,
+    save_shard,
+    shard_path,
+    shard_slice,
+)
 from lipvit.train import cpu_threads
 
 
@@ -152,26 +165,70 @@ def certify(
     `crown` needs auto_LiRPA; `cascade` runs CROWN only where LoFAST did not
     certify, `cascade-taylor` only where taylor did not.
     """
+    ranks = ranks_from_env()
     eps_list = C.parse_floats(eps_text, "eps")
     methods = C.parse_names(method_text, ALL_METHODS, "method")
     C.check_writable([json_path, csv_path], force)
-    loaded = C.load_checkpoint(ckpt, device)
+    dev = rank_device(C.resolve_device(device), ranks)
+    loaded = C.load_checkpoint(ckpt, dev)
     model = loaded.model.double()
     data = C.load_test_set(
-        loaded, n=n, dataset=dataset, data_dir=data_dir, device=device
+        loaded, n=n, dataset=dataset, data_dir=data_dir, device=dev
     )
-    x = data.x.to(torch.float64)
-    C.warn_large_eps(eps_list, x.shape[1:])
+    if ranks.rank == 0:
+        C.warn_large_eps(eps_list, data.x.shape[1:])
+    shard = shard_slice(len(data.y), batch_size, ranks)
+    output = json_path or csv_path
+    shard_file = shard_path(output, ranks) if ranks.world > 1 and output else None
+    settings = shard_settings(ckpt, data, shard, methods, eps_list, radius_tol,
+                              batch_size, dev)
+    with process_group(ranks):
+        record = load_shard(shard_file, settings) if shard_file else None
+        if record is None:
+            record = _certify_shard(model, data.x[shard], data.y[shard], methods,
+                                    eps_list, radius_tol, batch_size, loaded.config,
+                                    show=ranks.rank == 0)
+            if shard_file:
+                save_shard(shard_file, settings, record)
+        records = gather_to_root(record, ranks)
+        if records is not None:
+            _report(merge_records(records), ckpt, data, methods, eps_list, radius,
+                    json_path, csv_path, force)
+        barrier(ranks)  # the merged outputs are written: the shards are done
+        if shard_file:
+            shard_file.unlink(missing_ok=True)
+
+
+def shard_settings(ckpt: Path, data: C.TestSet, shard: slice, methods: list[str],
+                   eps_list: list[float], radius_tol: float, batch_size: int,
+                   device: torch.device) -> dict:
+    """What a shard's results depend on: a shard file saved with other settings
+    is not reused (the checkpoint is identified by path, size and mtime)."""
+    stat = Path(ckpt).stat()
+    return {
+        "checkpoint": [str(Path(ckpt).resolve()), stat.st_size, stat.st_mtime_ns],
+        "dataset": data.dataset, "index": data.index[shard].tolist(),
+        "methods": methods, "eps": eps_list, "radius_tol": radius_tol,
+        "batch_size": batch_size, "device": device.type,
+    }
+
+
+def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, config,
+                   show: bool) -> dict:
+    """:func:`certify_samples` on one shard (all radii), as a plain record."""
+    if len(y) == 0:
+        return {"n": 0}
+    x = x.to(torch.float64)
     bar_format = "{l_bar}{bar}| {n:.1f}/{total_fmt} samples [{elapsed}<{remaining}]"
     with (
-        cpu_threads(loaded.config, x.device),
-        tqdm(total=len(data.y), desc="certify", bar_format=bar_format,
-             leave=False) as bar,
+        cpu_threads(config, x.device),
+        tqdm(total=len(y), desc="certify", bar_format=bar_format,
+             leave=False, disable=not show) as bar,
     ):
         report = certify_samples(
             model,
             x,
-            data.y,
+            y,
             methods,
             eps_list,
             radius=True,  # cheap for the bound methods; shown with --radius
@@ -179,6 +236,13 @@ def certify(
             batch_size=batch_size,
             progress=bar.update,
         )
+    return report_record(report)
+
+
+def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[str],
+            eps_list: list[float], radius: bool, json_path: Path | None,
+            csv_path: Path | None, force: bool) -> None:
+    """Print the tables and write the JSON/CSV of the merged report."""
     rows = _summary_rows(report)
     click.echo(
         f"{ckpt}  dataset={data.dataset}  n={report.n}  "

@@ -1,0 +1,123 @@
+"""``torchrun -m lipvit certify`` on 2 CPU ranks (gloo): the merged JSON/CSV equal a
+single-process run's (timing excluded), and an existing shard file is reused."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lipvit
+from certify.evaluate import certify_samples, report_record
+from lipvit.commands._common import load_checkpoint, load_test_set
+from lipvit.commands.certify import shard_settings
+from lipvit.distributed import Ranks, load_shard, save_shard, shard_path, shard_slice
+from lipvit.train import train, train_config_for
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--eps", "0.01,0.05", "--method", "lofast,lofast-fast", "--radius",
+        "--samples", "10", "--batch-size", "3"]  # torchrun's parser takes --n
+TIMING = "seconds_per_sample"  # the only field that may differ
+
+
+@pytest.fixture(scope="module")
+def ckpt(digits, tmp_path_factory):
+    cfg = lipvit.preset("digits-tiny", family="lipschitz", mean=digits.mean,
+                        std=digits.std)
+    out = tmp_path_factory.mktemp("certify_distributed") / "lip.pt"
+    train(cfg, train_config_for("lipschitz", epochs=1, device="cpu"), digits, out,
+          progress=False)
+    return out
+
+
+def _certify(ckpt: Path, out: Path, ranks: int | None) -> subprocess.CompletedProcess:
+    launch = ([] if ranks is None else
+              ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", "0"])
+    cmd = [sys.executable, *launch, "-m", "lipvit", "certify", "--ckpt", str(ckpt),
+           *ARGS, "--json", str(out), "--csv", str(out.with_suffix(".csv"))]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _without_timing(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    for row in data["results"]:
+        row.pop(TIMING)
+    return data
+
+
+def _csv_without_timing(path: Path) -> list[dict]:
+    rows = list(csv.DictReader(path.open()))
+    for row in rows:
+        row.pop(TIMING)
+    return rows
+
+
+def test_shards_are_whole_batches_in_order():
+    for n, batch, world in [(10, 3, 2), (7, 64, 3), (12, 2, 4), (5, 1, 8)]:
+        slices = [shard_slice(n, batch, Ranks(r, world, r)) for r in range(world)]
+        assert slices[0].start == 0 and slices[-1].stop == n
+        for a, b in zip(slices, slices[1:], strict=False):
+            assert a.stop == b.start
+        assert all(s.start % batch == 0 for s in slices if s.stop > s.start)
+
+
+@pytest.mark.slow
+def test_two_ranks_merge_equals_single_process(ckpt, tmp_path):
+    single, merged = tmp_path / "single.json", tmp_path / "merged.json"
+    _certify(ckpt, single, None)
+    out = _certify(ckpt, merged, 2)
+    assert _without_timing(merged) == _without_timing(single)
+    assert (_csv_without_timing(merged.with_suffix(".csv"))
+            == _csv_without_timing(single.with_suffix(".csv")))
+    assert out.stdout.count("clean accuracy") == 1  # rank 0 alone prints
+    assert not list(tmp_path.glob("*.shard-*"))  # removed after the merge
+
+
+def test_shard_with_other_settings_is_not_reused(tmp_path):
+    path = tmp_path / "out.json.shard-0-of-2.json"
+    save_shard(path, {"eps": [0.01]}, {"n": 0})
+    assert load_shard(path, {"eps": [0.01]}) == {"n": 0}
+    assert load_shard(path, {"eps": [0.02]}) is None
+    path.write_text("{truncated")
+    assert load_shard(path, {"eps": [0.01]}) is None
+
+
+@pytest.mark.slow
+def test_existing_shard_is_reused(ckpt, tmp_path):
+    first = tmp_path / "first.json"
+    _certify(ckpt, first, None)
+    samples = json.loads(first.read_text())["samples"]
+    # Rank 1's shard (samples 6..9) left by an interrupted run; one certificate
+    # is flipped, so the merged output shows whether the file was reused.
+    loaded = load_checkpoint(ckpt)
+    data = load_test_set(loaded, n=10)
+    ranks = Ranks(1, 2, 1)
+    shard = shard_slice(10, 3, ranks)
+    assert (shard.start, shard.stop) == (6, 10)
+    methods, eps = ["lofast", "lofast-fast"], [0.01, 0.05]
+    report = certify_samples(loaded.model.double(), data.x[shard].double(),
+                             data.y[shard], methods, eps, radius=True)
+    record = report_record(report)
+    key = "lofast@0.05"
+    record["certified"][key][0] = not record["certified"][key][0]
+    out = tmp_path / "out.json"
+    save_shard(shard_path(out, ranks),
+               shard_settings(ckpt, data, shard, methods, eps, 1e-3, 3,
+                              torch.device("cpu")), record)
+    _certify(ckpt, out, 2)
+    resumed = json.loads(out.read_text())["samples"]
+    assert resumed[6]["certified"][key] == (not samples[6]["certified"][key])
+    assert resumed[:6] == samples[:6] and resumed[7:] == samples[7:]
+    assert not shard_path(out, ranks).exists()
