@@ -164,6 +164,13 @@ def certify(
     margin to first order exactly plus certified remainders (docs/taylor.md);
     `crown` needs auto_LiRPA; `cascade` runs CROWN only where LoFAST did not
     certify, `cascade-taylor` only where taylor did not.
+
+    `torchrun --nproc_per_node K -m lipvit certify ... --samples N` shards the
+    samples over K ranks (whole batches each, gloo) and rank 0 writes the merged
+    JSON/CSV, equal to a single-process run's except the seconds_per_sample
+    timings (summed work per sample). With --json/--csv each rank keeps its
+    finished shard in <output>.shard-<rank>-of-<K>.json: a rerun with the same
+    settings reuses it; the shard files are removed after the merge.
     """
     ranks = ranks_from_env()
     eps_list = C.parse_floats(eps_text, "eps")
