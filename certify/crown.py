@@ -52,6 +52,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -378,7 +379,8 @@ def _is_softmax_div(node: nn.Module) -> bool:
             and den.inputs[0] is num)
 
 
-def _softmax_reference_bounds(bounded: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
+def _softmax_reference_bounds(bounded: nn.Module, x: Tensor
+                              ) -> dict[str, tuple[Tensor, Tensor]]:
     """``[0, 1]`` for every softmax output ``e / Σe`` (``e = exp(·)``) in the graph.
 
     auto_LiRPA keeps the tighter of these and its own intermediate bounds; the
@@ -387,10 +389,8 @@ def _softmax_reference_bounds(bounded: nn.Module) -> dict[str, tuple[Tensor, Ten
     reference = {}
     for node in bounded.modules():
         if _is_softmax_div(node):
-            num = node.inputs[0]
-            shape = tuple(node.output_shape)
-            zeros = torch.zeros(shape, dtype=num.forward_value.dtype,
-                                device=num.forward_value.device)
+            shape = (x.shape[0], *node.output_shape[1:])
+            zeros = torch.zeros(shape, dtype=x.dtype, device=x.device)
             reference[node.name] = (zeros, torch.ones_like(zeros))
     return reference
 
@@ -422,6 +422,7 @@ def bound_module(
     method: str = "CROWN",
     bound_upper: bool = True,
     chunk_size: int | None = 2,
+    cache: dict[int, nn.Module] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Bounds of ``C · net(x')`` over ``‖x' − x‖_2 ≤ ε`` (per sample) by auto_LiRPA.
 
@@ -443,6 +444,9 @@ def bound_module(
         chunk_size: samples bounded together (None: all). auto_LiRPA's cost
             per sample grows with the batch on a CPU (cache), so small chunks
             are fastest; results do not depend on it.
+        cache: auto_LiRPA's bounded copies of ``net`` by batch size, filled
+            and reused (building one costs as much as bounding a sample):
+            pass the same dict for every call on the same ``net``.
 
     Returns:
         ``(lb, ub)``, each ``(B, M)`` (or ``(B, K)``), detached: bounds sound up
@@ -465,15 +469,38 @@ def bound_module(
     lirpa = lirpa_compat.import_auto_lirpa()
     x = x.detach()
     step = x.shape[0] if chunk_size is None else chunk_size
+    cache = {} if cache is None else cache
     parts = [_bound_batch(lirpa, net, x[i:i + step], eps,
-                          None if C is None else C[i:i + step], method, bound_upper)
+                          None if C is None else C[i:i + step], method, bound_upper,
+                          cache)
              for i in range(0, x.shape[0], step)]
     lb = torch.cat([p[0] for p in parts])
     return lb, torch.cat([p[1] for p in parts]) if bound_upper else None
 
 
+def _bounded(lirpa: Any, net: nn.Module, x: Tensor, log: list[str]) -> nn.Module:
+    """auto_LiRPA's bounded copy of ``net`` for batches shaped like ``x``, checked."""
+    custom = {PROJECT_SCALE_OP: _bound_project_scale_class(),
+              "onnx::MatMul": _fast_matmul_class()}
+    # A perturbed placeholder input marks the perturbed nodes at once (the
+    # radius is given again with every batch).
+    ptb = lirpa.PerturbationLpNorm(norm=2, eps=0.0)
+    try:
+        placeholder = lirpa.BoundedTensor(torch.zeros_like(x), ptb)
+        bounded = lirpa.BoundedModule(net, placeholder, bound_opts=BOUND_OPTS,
+                                      device=x.device, custom_ops=custom)
+    except NotImplementedError as exc:
+        ops = sorted({m.split(",")[0][6:] for m in log if m.startswith("Name: ")})
+        what = f"no bound for {', '.join(ops)}" if ops else str(exc).splitlines()[0]
+        raise UnsupportedModelError(f"auto_LiRPA cannot bound this model: {what}"
+                                    ) from exc
+    _check_reviewed(bounded)
+    return bounded
+
+
 def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | None,
-                 method: str, bound_upper: bool) -> tuple[Tensor, Tensor | None]:
+                 method: str, bound_upper: bool, cache: dict[int, nn.Module]
+                 ) -> tuple[Tensor, Tensor | None]:
     """:func:`bound_module` on one batch (arguments already validated)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_default_dtype(x.dtype))
@@ -482,29 +509,19 @@ def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | 
         stack.enter_context(warnings.catch_warnings())
         # auto_LiRPA warns about dense identity matrices (a performance note).
         warnings.filterwarnings("ignore", module=r"auto_LiRPA\..*")
-        custom = {PROJECT_SCALE_OP: _bound_project_scale_class(),
-                  "onnx::MatMul": _fast_matmul_class()}
         ptb = lirpa.PerturbationLpNorm(norm=2, eps=eps)
-        try:
-            # A perturbed placeholder input marks the perturbed nodes at once.
-            placeholder = lirpa.BoundedTensor(torch.zeros_like(x), ptb)
-            bounded = lirpa.BoundedModule(net, placeholder, bound_opts=BOUND_OPTS,
-                                          device=x.device, custom_ops=custom)
-        except NotImplementedError as exc:
-            ops = sorted({m.split(",")[0][6:] for m in log if m.startswith("Name: ")})
-            what = f"no bound for {', '.join(ops)}" if ops else str(exc).splitlines()[0]
-            raise UnsupportedModelError(f"auto_LiRPA cannot bound this model: {what}"
-                                        ) from exc
-        _check_reviewed(bounded)
+        if x.shape[0] not in cache:
+            cache[x.shape[0]] = _bounded(lirpa, net, x, log)
+        bounded = cache[x.shape[0]]
         try:
             lb, ub = bounded.compute_bounds(
                 x=(lirpa.BoundedTensor(x, ptb),), C=C, method=method,
                 bound_upper=bound_upper,
-                reference_bounds=_softmax_reference_bounds(bounded))
+                reference_bounds=_softmax_reference_bounds(bounded, x))
         except AssertionError:
             # auto_LiRPA asserts positive denominators in interval arithmetic
             # (a softmax sum underflowing to 0): bound the batch in halves.
-            return _split(lirpa, net, x, eps, C, method, bound_upper)
+            return _split(lirpa, net, x, eps, C, method, bound_upper, cache)
         bad = _invalid_samples(bounded, x.shape[0]).to(x.device)
     lb = lb.detach()
     ub = None if ub is None else ub.detach()
@@ -513,7 +530,7 @@ def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | 
         good = ~bad
         sub_C = None if C is None else C[good]
         sub_lb, sub_ub = _bound_batch(lirpa, net, x[good], eps, sub_C, method,
-                                      bound_upper)
+                                      bound_upper, cache)
         lb, ub = lb.clone(), None if ub is None else ub.clone()
         lb[good] = sub_lb
         if ub is not None:
@@ -525,7 +542,8 @@ def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | 
 
 
 def _split(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | None,
-           method: str, bound_upper: bool) -> tuple[Tensor, Tensor | None]:
+           method: str, bound_upper: bool, cache: dict[int, nn.Module]
+           ) -> tuple[Tensor, Tensor | None]:
     """:func:`_bound_batch` on two halves of the batch; vacuous for one sample."""
     B = x.shape[0]
     if B == 1:
@@ -535,18 +553,40 @@ def _split(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | None,
         return lb, -lb if bound_upper else None
     h = B // 2
     parts = [_bound_batch(lirpa, net, x[i:j], eps, None if C is None else C[i:j],
-                          method, bound_upper) for i, j in ((0, h), (h, B))]
+                          method, bound_upper, cache) for i, j in ((0, h), (h, B))]
     lb = torch.cat([p[0] for p in parts])
     return lb, torch.cat([p[1] for p in parts]) if bound_upper else None
 
 
-def _prepare(model: ViT, x: Tensor, device: str | torch.device,
-             dtype: torch.dtype) -> tuple[nn.Module, Tensor]:
-    """Verifiable twin of ``model`` and flat ``x``, both in ``dtype`` on ``device``."""
+@dataclass(eq=False)
+class CrownModel:
+    """The verifiable twin ``net`` of a model, in ``dtype`` on ``device``, and
+    auto_LiRPA's bounded copies of it by batch size (``cache``): built once per
+    run and reused for every sample and ε (a bounded copy costs about as much
+    to build as bounding one sample)."""
+
+    net: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    cache: dict[int, nn.Module] = field(default_factory=dict)
+
+
+def crown_model(model: ViT, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float64) -> CrownModel:
+    """A :class:`CrownModel` of ``model`` (see :func:`check_crown_support`)."""
     check_crown_support(model)
+    return CrownModel(to_verifiable(model, dtype).to(device), torch.device(device),
+                      dtype)
+
+
+def _prepare(model: ViT, x: Tensor, device: str | torch.device, dtype: torch.dtype,
+             prepared: CrownModel | None) -> tuple[CrownModel, Tensor]:
+    """``prepared`` (or a new :class:`CrownModel`) and flat ``x`` in its dtype and
+    on its device."""
+    prepared = prepared or crown_model(model, device, dtype)
     _check_images(model, x)
-    net = to_verifiable(model, dtype).to(device)
-    return net, x.detach().reshape(x.shape[0], -1).to(device=device, dtype=dtype)
+    flat = x.detach().reshape(x.shape[0], -1)  # (B, C·S·S)
+    return prepared, flat.to(device=prepared.device, dtype=prepared.dtype)
 
 
 def margin_spec(y: Tensor, num_classes: int,
@@ -568,6 +608,7 @@ def crown_margin_bounds(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float64,
     chunk_size: int | None = 2,
+    prepared: CrownModel | None = None,
 ) -> Tensor:
     """Lower bounds of ``logit_y − logit_j`` over the ℓ2 ball of radius ε around ``x``.
 
@@ -581,18 +622,20 @@ def crown_margin_bounds(
         device: where auto_LiRPA runs.
         dtype: arithmetic of the model copy and the bounds (float64 by default).
         chunk_size: samples bounded together (see :func:`bound_module`).
+        prepared: :func:`crown_model` of ``model``, reused across calls
+            (``device`` and ``dtype`` are then its own).
 
     Returns:
         ``(B, K)`` on ``x``'s device: entry ``[b, j]`` is a lower bound (sound
         up to rounding) of ``logit_{y_b}(x') − logit_j(x')`` for every ``x'`` in
         the ball, ``-inf`` where none could be computed; entry ``[b, y_b]`` is 0.
     """
-    net, xd = _prepare(model, x, device, dtype)
+    prepared, xd = _prepare(model, x, device, dtype, prepared)
     _check_labels(model, x, y)
-    yd = y.to(device)
-    C = margin_spec(yd, model.config.num_classes, dtype)
-    lb, _ = bound_module(net, xd, eps, C=C, method=method, bound_upper=False,
-                         chunk_size=chunk_size)
+    yd = y.to(prepared.device)
+    C = margin_spec(yd, model.config.num_classes, prepared.dtype)
+    lb, _ = bound_module(prepared.net, xd, eps, C=C, method=method, bound_upper=False,
+                         chunk_size=chunk_size, cache=prepared.cache)
     lb = lb.clone()
     lb[torch.arange(x.shape[0], device=lb.device), yd] = 0.0  # y − y
     return lb.to(x.device)
@@ -612,8 +655,8 @@ def crown_logit_bounds(
     Arguments as in :func:`crown_margin_bounds`. Returns ``(lb, ub)`` on ``x``'s
     device, sound up to rounding (``∓inf`` where none could be computed).
     """
-    net, xd = _prepare(model, x, device, dtype)
-    lb, ub = bound_module(net, xd, eps, method=method, chunk_size=chunk_size)
+    prepared, xd = _prepare(model, x, device, dtype, None)
+    lb, ub = bound_module(prepared.net, xd, eps, method=method, chunk_size=chunk_size)
     return lb.to(x.device), ub.to(x.device)
 
 
@@ -626,6 +669,7 @@ def crown_certify(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float64,
     chunk_size: int | None = 2,
+    prepared: CrownModel | None = None,
 ) -> Tensor:
     """``(B,)`` bool: classified ``y`` at ``x`` and every margin lower bound > 0.
 
@@ -633,7 +677,7 @@ def crown_certify(
     ε (up to floating-point rounding). Arguments as in :func:`crown_margin_bounds`.
     """
     lb = crown_margin_bounds(model, x, y, eps, method=method, device=device,
-                             dtype=dtype, chunk_size=chunk_size)
+                             dtype=dtype, chunk_size=chunk_size, prepared=prepared)
     y_dev = y.to(lb.device)
     others = torch.ones_like(lb, dtype=torch.bool)
     others[torch.arange(lb.shape[0], device=lb.device), y_dev] = False
