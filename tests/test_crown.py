@@ -430,6 +430,23 @@ def test_margin_bounds_are_below_attacked_margins_and_batched(trained):
 
 @pytest.mark.crown
 @needs_lirpa
+def test_one_bounded_model_reused_over_samples_and_eps(trained):
+    """A CrownModel reused for every sample and ε gives each call's fresh bounds
+    (auto_LiRPA recomputes every intermediate bound per call) and builds one
+    bounded copy per batch size."""
+    model, x, y = trained
+    prepared = crown.crown_model(model)
+    for eps in (0.05, 0.01):
+        for i in range(3):
+            xi, yi = x[i:i + 1], y[i:i + 1]
+            reused = crown.crown_margin_bounds(model, xi, yi, eps, prepared=prepared)
+            fresh = crown.crown_margin_bounds(model, xi, yi, eps)
+            assert torch.equal(reused, fresh)
+    assert list(prepared.cache) == [1]
+
+
+@pytest.mark.crown
+@needs_lirpa
 def test_certified_points_survive_attacks(trained):
     model, x, y = trained
     eps = 0.01

@@ -17,6 +17,7 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
+from lipvit.allocator import reexec_with_crown_allocator
 from lipvit.commands import _common as C
 from lipvit.distributed import (
     barrier,
@@ -176,6 +177,8 @@ def certify(
     eps_list = C.parse_floats(eps_text, "eps")
     methods = C.parse_names(method_text, ALL_METHODS, "method")
     C.check_writable([json_path, csv_path], force)
+    if {"crown", "cascade"} & set(methods):
+        reexec_with_crown_allocator()  # glibc.malloc.mmap_max=0, once
     dev = rank_device(C.resolve_device(device), ranks)
     loaded = C.load_checkpoint(ckpt, dev)
     model = loaded.model.double()
