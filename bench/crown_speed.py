@@ -23,7 +23,7 @@ import time
 import torch
 
 import lipvit
-from certify import crown
+from lipvit.certify import crown
 from lipvit.allocator import GUARD
 from lipvit.data import load_dataset
 

@@ -165,7 +165,7 @@ def certify_samples(
         if progress is not None:
             progress(samples * share)
 
-    crown = None  # one bounded model for the whole run (built on first use)
+    crown = None  # one bounded model for the whole run
     if crown_runs:
         from lipvit.certify.crown import crown_model
 

@@ -177,7 +177,7 @@ def certify(
     eps_list = C.parse_floats(eps_text, "eps")
     methods = C.parse_names(method_text, ALL_METHODS, "method")
     C.check_writable([json_path, csv_path], force)
-    if {"crown", "cascade"} & set(methods):
+    if {"crown", "cascade", "cascade-taylor"} & set(methods):
         reexec_with_crown_allocator()  # glibc.malloc.mmap_max=0, once
     dev = rank_device(C.resolve_device(device), ranks)
     loaded = C.load_checkpoint(ckpt, dev)
