@@ -21,9 +21,9 @@ import sys
 import time
 
 import torch
+from lipvit.certify import crown
 
 import lipvit
-from lipvit.certify import crown
 from lipvit.allocator import GUARD
 from lipvit.data import load_dataset
 

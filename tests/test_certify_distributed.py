@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lipvit.certify.evaluate import certify_samples, report_record
 
 import lipvit
-from lipvit.certify.evaluate import certify_samples, report_record
 from lipvit.commands._common import load_checkpoint, load_test_set
 from lipvit.commands.certify import shard_settings
 from lipvit.distributed import Ranks, load_shard, save_shard, shard_path, shard_slice

@@ -9,6 +9,7 @@ import click
 import torch
 from tqdm import tqdm
 
+from lipvit.allocator import reexec_with_crown_allocator
 from lipvit.certify.evaluate import (
     ALL_METHODS,
     QUANTITIES,
@@ -17,7 +18,6 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
-from lipvit.allocator import reexec_with_crown_allocator
 from lipvit.commands import _common as C
 from lipvit.distributed import (
     barrier,
