@@ -22,6 +22,7 @@ from lipvit.interop import (  # noqa: E402
     hf_state_dict,
     save_hf,
     save_timm,
+    small_transformers_vit,
     vit_from_hf,
     vit_from_timm,
 )
@@ -30,22 +31,10 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def random_hf_vit(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
-    """A small transformers ViT with every weight random (LayerNorms included)."""
-    base = dict(
-        image_size=8,
-        patch_size=2,
-        num_channels=1,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=24,
-        num_labels=10,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    config = transformers.ViTConfig(**{**base, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.ViTForImageClassification(config).to(dtype).eval()
+    """A small transformers ViT with every weight random (LayerNorms included);
+    q/k/v biases on (transformers' default) unless ``overrides`` say otherwise."""
+    config = dict(hidden_size=16, intermediate_size=24, qkv_bias=True)
+    model = small_transformers_vit(seed, **{**config, **overrides}).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(0.3 * torch.randn_like(p))
