@@ -48,6 +48,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from lipvit.certify.certification import margin as certification_margin
+from lipvit.certify.eps import check_eps
 from torch import Tensor, nn
 
 from lipvit.errors import LipvitError
@@ -292,17 +293,6 @@ class AttackResult:
     @property
     def worst_case_accuracy(self) -> float:
         return float(self.worst_case.mean())
-
-
-def check_eps(eps: float) -> float:
-    """Validate a radius: a finite number ``≥ 0``."""
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise ValueError(f"eps must be a number, got {eps!r}") from None
-    if not np.isfinite(value) or value < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    return value
 
 
 def resolve_settings(attacks: Sequence[str], norm: str,

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lipvit.certify.eps import check_eps_list
 
 from lipvit.config import ATTENTIONS, PRESETS, preset
 from lipvit.errors import LipvitError, UnsupportedModelError
@@ -99,10 +100,8 @@ class CompareSettings:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("eps_linf", "eps_l2"):
-            values = tuple(float(e) for e in getattr(self, name))
-            if not values or any(not (math.isfinite(e) and e > 0) for e in values):
-                raise ValueError(f"{name} needs radii > 0, got {values}")
-            object.__setattr__(self, name, values)
+            values = check_eps_list(getattr(self, name), name=name)
+            object.__setattr__(self, name, tuple(values.tolist()))
         object.__setattr__(self, "attentions", tuple(self.attentions))
 
     @classmethod

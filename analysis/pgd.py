@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from lipvit.certify.eps import eps_per_sample
 from torch import Tensor
 
 TensorMap = Callable[[Tensor], Tensor]
@@ -27,18 +28,6 @@ def _flat_norm(x: Tensor) -> Tensor:
 def _per_sample(v: Tensor, like: Tensor) -> Tensor:
     """Reshape a ``(B,)`` tensor to broadcast against ``like`` of shape ``(B, ...)``."""
     return v.reshape((-1,) + (1,) * (like.ndim - 1))
-
-
-def _check_eps(eps: float | Tensor, X: Tensor) -> Tensor:
-    """Validate ``eps`` (scalar or ``(B,)``) and return it as a ``(B,)`` tensor."""
-    eps_t = torch.as_tensor(eps, dtype=X.dtype, device=X.device)
-    if eps_t.ndim > 1 or (eps_t.ndim == 1 and eps_t.shape[0] not in (1, X.shape[0])):
-        raise ValueError(f"eps must be a scalar or have shape ({X.shape[0]},)")
-    if bool(torch.isnan(eps_t).any()) or bool((eps_t < 0).any()):
-        raise ValueError(f"eps must be a non-negative number, got {eps}")
-    if bool(torch.isinf(eps_t).any()):
-        raise ValueError("eps must be finite")
-    return eps_t.expand(X.shape[0]).clone()
 
 
 def pgd_deviation(
@@ -92,7 +81,7 @@ def pgd_deviation(
         raise ValueError(f"restarts must be >= 1, got {restarts}")
     if step_size is not None and not step_size > 0:
         raise ValueError(f"step_size must be positive, got {step_size}")
-    eps_b = _check_eps(eps, X)  # (B,)
+    eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     X = X.detach()
     alpha0 = 10 * eps_b if step_size is None else torch.full_like(eps_b, step_size)
     tiny, unit = torch.finfo(X.dtype).tiny, torch.finfo(X.dtype).eps

@@ -48,6 +48,7 @@ from lipvit.analysis.jacobian import (
 )
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.analysis.tightness import block_inputs, token_budgets
+from lipvit.certify.eps import check_eps_list
 from torch import Tensor
 
 from lipvit.model import ViT
@@ -258,9 +259,7 @@ def first_order_deviation(
     """
     from lipvit.certify.network import network_bound
 
-    values = np.asarray(list(eps), dtype=float)
-    if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise ValueError(f"every eps must be finite and > 0, got {list(eps)}")
+    values = check_eps_list(eps)
     x = x.to(model.pos_embed.dtype)
     if jac.sigma.shape != (len(model.blocks), x.shape[0]):
         raise ValueError("jac was computed for another model or batch")

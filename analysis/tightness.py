@@ -66,6 +66,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.eps import check_eps_list
 from torch import Tensor, nn
 
 from lipvit.errors import UnsupportedModelError
@@ -281,15 +282,6 @@ def _check_model(model: nn.Module) -> ViT:
     if not isinstance(model, ViT):
         raise TypeError(f"expected a lipvit ViT, got {type(model).__name__}")
     return model
-
-
-def _check_eps_list(eps: Sequence[float]) -> np.ndarray:
-    values = np.asarray(list(eps), dtype=float)
-    if values.ndim != 1 or values.size == 0:
-        raise ValueError("give at least one eps")
-    if not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise ValueError(f"every eps must be finite and > 0, got {list(eps)}")
-    return values
 
 
 @torch.no_grad()
@@ -529,7 +521,7 @@ def layer_tightness(
     model = _check_model(model)
     check_dot_attention(model, "the layer tightness comparison (every bound in it)")
     _check_layer_index(model, layer)
-    eps_arr = _check_eps_list(eps)
+    eps_arr = check_eps_list(eps)
     names = _methods(methods, LAYER_METHODS)
     pgd = pgd or PGDSettings()
     model.eval()
@@ -696,7 +688,7 @@ def network_tightness(
     from lipvit.certify.network import network_bound
 
     model = _check_model(model)
-    eps_arr = _check_eps_list(eps)
+    eps_arr = check_eps_list(eps)
     names = _methods(methods, NETWORK_METHODS)
     pgd = pgd or PGDSettings()
     model.eval()

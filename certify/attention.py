@@ -77,23 +77,6 @@ def check_layer(
     return LayerShape(B, N, D, H, d)
 
 
-def check_eps(eps: float) -> float:
-    """Return ``eps`` as a float; raise ``ValueError`` unless it is finite and ≥ 0."""
-    if isinstance(eps, Tensor):
-        if eps.numel() != 1:
-            raise ValueError(f"eps must be a scalar, got shape {tuple(eps.shape)}")
-        eps = eps.item()
-    if isinstance(eps, bool):
-        raise ValueError("eps must be a number, got a bool")
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise ValueError(f"eps must be a number, got {eps!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
-    return value
-
-
 def attention_logits(X: Tensor, W_q: Tensor, W_k: Tensor) -> Tensor:
     """Scaled logits ``X W_q[h] (X W_k[h])ᵀ / √d`` of every head, ``(B, H, N, N)``."""
     d = W_q.shape[-1]

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 from lipvit.certify import lirpa_compat
+from lipvit.certify.eps import check_eps
 from lipvit.certify.network import check_dot_attention
 from lipvit.certify.verifiable import PROJECT_SCALE_OP, project_scale, to_verifiable
 from torch import Tensor, nn
@@ -295,14 +296,6 @@ def _check_method(method: str) -> None:
         )
 
 
-def _check_eps(eps: float) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a number, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    return float(eps)
-
-
 def _check_images(model: ViT, x: Tensor) -> None:
     cfg = model.config
     expected = (cfg.in_chans, cfg.image_size, cfg.image_size)
@@ -458,7 +451,7 @@ def bound_module(
         UnsupportedModelError: an operator in ``net`` has no (reviewed) bound.
     """
     _check_method(method)
-    eps = _check_eps(eps)
+    eps = check_eps(eps)
     if x.ndim != 2 or x.shape[0] == 0:
         raise ValueError(f"x must be flat and non-empty, (B, n); got {tuple(x.shape)}")
     if C is not None and (C.ndim != 3 or C.shape[0] != x.shape[0]):

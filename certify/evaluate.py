@@ -26,6 +26,7 @@ from lipvit.certify.certification import (
     is_certified,
     margin,
 )
+from lipvit.certify.eps import check_eps_list
 from lipvit.certify.network import METHODS as BOUND_METHODS
 from lipvit.certify.network import network_bound
 from lipvit.certify.taylor import taylor_bound
@@ -89,11 +90,7 @@ def _check(methods: Sequence[str], eps_list: Sequence[float]) -> None:
         )
     if not methods:
         raise ValueError("give at least one method")
-    if not eps_list:
-        raise ValueError("give at least one eps")
-    for eps in eps_list:
-        if not (eps > 0 and eps < float("inf")):
-            raise ValueError(f"eps must be a positive finite number, got {eps}")
+    check_eps_list(eps_list)
 
 
 def _batches(n: int, batch_size: int):

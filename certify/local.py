@@ -38,6 +38,7 @@ import math
 from typing import Literal
 
 import torch
+from lipvit.certify.eps import eps_per_sample
 from torch import Tensor
 
 from lipvit.spectral import gamma as gamma_k
@@ -53,16 +54,6 @@ GELU_DERIV_MAX = (1 + math.erf(1.0)) / 2 + 1 / (math.e * math.sqrt(math.pi))
 #: Relative safety margin on the GELU slope constants (covers float rounding
 #: of the closed form and of the numerical maximisation for the tanh variant).
 _GELU_MARGIN = 1e-9
-
-
-def _eps_per_sample(eps: float | Tensor, X: Tensor) -> Tensor:
-    """Validate ``eps`` (scalar or ``(B,)``); return it as ``(B,)`` in ``X``'s dtype."""
-    eps_t = torch.as_tensor(eps, dtype=X.dtype, device=X.device)
-    if eps_t.ndim > 1 or (eps_t.ndim == 1 and eps_t.shape[0] not in (1, X.shape[0])):
-        raise ValueError(f"eps must be a scalar or have shape ({X.shape[0]},)")
-    if not bool(torch.isfinite(eps_t).all()) or bool((eps_t < 0).any()):
-        raise ValueError(f"eps must be a finite non-negative number, got {eps}")
-    return eps_t.expand(X.shape[0])
 
 
 def _norm_range(norms: Tensor, dim: int) -> tuple[Tensor, Tensor]:
@@ -120,7 +111,7 @@ def layernorm_local_lipschitz(
     _check_tokens(X)
     if not (math.isfinite(eta) and eta >= 0):
         raise ValueError(f"eta must be a finite non-negative number, got {eta}")
-    eps_b = _eps_per_sample(eps, X)  # (B,)
+    eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     D = X.shape[-1]
     g_inf = (torch.ones((), dtype=X.dtype, device=X.device) if gamma is None
              else gamma.detach().to(X.dtype).abs().amax())
@@ -183,7 +174,7 @@ def layer_project_local_lipschitz(
     """
     _check_tokens(X)
     _check_radius(radius)
-    eps_b = _eps_per_sample(eps, X)  # (B,)
+    eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     low, _ = _norm_range(_vector_norms(X, mode), _vector_size(X, mode))
     gap = low - eps_b[:, None]  # (B, N) or (B, 1): min ‖y‖ on the ball
     L = torch.where(gap > radius, radius / gap.clamp_min(radius), torch.ones_like(gap))
@@ -207,7 +198,7 @@ def layer_project_is_identity(
     """
     _check_tokens(X)
     _check_radius(radius)
-    eps_b = _eps_per_sample(eps, X)  # (B,)
+    eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     _, high = _norm_range(_vector_norms(X, mode), _vector_size(X, mode))
     return ((high + eps_b[:, None]) * (1 + gamma_k(2)) <= radius).all(-1)
 

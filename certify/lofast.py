@@ -81,11 +81,11 @@ from typing import NamedTuple
 import torch
 from lipvit.certify.attention import (
     attention_logits,
-    check_eps,
     check_layer,
     query_key,
     value_output,
 )
+from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.structured import lemma2_structured_bound, zeta_certificate
 from torch import Tensor
 
@@ -670,24 +670,6 @@ def softmax_local_constant(logits: Tensor, logit_radius: Tensor) -> Tensor:
 # --------------------------------------------------------------------------
 # Theorem 1.
 # --------------------------------------------------------------------------
-
-
-def eps_per_sample(eps: float | Tensor, B: int, dtype: torch.dtype,
-                   device: torch.device) -> Tensor:
-    """Radius ε as a ``(B,)`` tensor; a float or a scalar / ``(B,)`` tensor.
-
-    Raises:
-        ValueError: unless every ε is finite and ≥ 0, or on a shape mismatch.
-    """
-    if not isinstance(eps, Tensor):
-        return torch.full((B,), check_eps(eps), dtype=dtype, device=device)
-    if eps.ndim > 1 or (eps.ndim == 1 and eps.shape[0] not in (1, B)):
-        raise ValueError(
-            f"eps must be a scalar or have shape ({B},), got {tuple(eps.shape)}"
-        )
-    if not bool(torch.isfinite(eps).all()) or bool((eps < 0).any()):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    return eps.to(dtype=dtype, device=device).expand(B).clone()
 
 
 @dataclass(frozen=True)

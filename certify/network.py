@@ -48,6 +48,7 @@ from typing import Literal, NamedTuple
 import torch
 from lipvit.certify.attention import value_output
 from lipvit.certify.certification import float64_model
+from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_is_identity,
@@ -55,7 +56,7 @@ from lipvit.certify.local import (
     layernorm_local_lipschitz,
     linear_norm,
 )
-from lipvit.certify.lofast import LoFASTTerms, eps_per_sample, lofast_terms
+from lipvit.certify.lofast import LoFASTTerms, lofast_terms
 from lipvit.certify.specformer import specformer_terms
 from torch import Tensor
 

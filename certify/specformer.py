@@ -55,7 +55,7 @@ from typing import Literal
 
 import torch
 from lipvit.certify.attention import check_layer, query_key
-from lipvit.certify.lofast import eps_per_sample
+from lipvit.certify.eps import eps_per_sample
 from torch import Tensor
 
 from lipvit.spectral import spectral_norm

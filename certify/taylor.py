@@ -48,6 +48,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from lipvit.certify.attention import attention
 from lipvit.certify.certification import bisect_radius
+from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_local_lipschitz,
@@ -504,8 +505,6 @@ class TaylorBound:
     delta_out: Callable[[Tensor], Tensor]
 
     def _eps(self, eps: float | Tensor) -> Tensor:
-        from lipvit.certify.lofast import eps_per_sample
-
         m = self.margins
         return eps_per_sample(eps, m.shape[0], m.dtype, m.device)
 

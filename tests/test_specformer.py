@@ -161,10 +161,13 @@ def test_unknown_variant() -> None:
         specformer_terms(X, *W, variant="magic")
 
 
-@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), "x"])
-def test_bad_eps(eps) -> None:
+@pytest.mark.parametrize("eps, error", [
+    (-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    ("x", TypeError),
+])
+def test_bad_eps(eps, error) -> None:
     X, *W = layer(2)
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         specformer_bound(X, *W, eps)
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         specformer_terms(X, *W).delta(eps)

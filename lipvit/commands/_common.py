@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lipvit.certify.eps import check_eps
 from lipvit.errors import LipvitError
 
 # Re-exported: the commands call them as ``C.write_json`` etc.
@@ -186,11 +187,8 @@ def parse_floats(text: str | Sequence[str], name: str = "value", *,
         raise ValueError(f"no {name} given")
     values = []
     for token in tokens:
-        value = _parse_number(token)
-        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ValueError(f"{name} must be finite and {bound}, got {token}")
-        values.append(value)
+        values.append(check_eps(_parse_number(token), positive=not allow_zero,
+                                name=name))
     return values
 
 
