@@ -66,6 +66,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.attention import bound_weights
 from lipvit.certify.eps import check_eps_list
 from torch import Tensor, nn
 
@@ -353,17 +354,6 @@ def uniform_attention_note(Z: Tensor, W_q: Tensor, W_k: Tensor) -> str | None:
     )
 
 
-def _attention_weights(block) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    b = block.attn.head_biases()
-    for bias in (b.b_q, b.b_k):
-        if bias is not None and bool(bias.abs().max() > 0):
-            raise UnsupportedModelError(
-                "the attention bounds need bias-free query and key maps "
-                "(qkv_bias=False)"
-            )
-    return tuple(W.detach() for W in block.attn.head_weights())
-
-
 # ------------------------------------------------------------------ CROWN
 
 
@@ -526,7 +516,7 @@ def layer_tightness(
     pgd = pgd or PGDSettings()
     model.eval()
     block = model.blocks[layer]
-    W = _attention_weights(block)
+    W = bound_weights(block.attn)
     X = block_inputs(model, x)[layer]
     with torch.no_grad():
         Z = block.norm1(X)  # (B, N, D): the attention's real input

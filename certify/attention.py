@@ -29,7 +29,9 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from lipvit.errors import UnsupportedModelError
 
 
 class LayerShape(NamedTuple):
@@ -98,6 +100,24 @@ def value_output(W_v: Tensor, W_o: Tensor) -> Tensor:
 def query_key(W_q: Tensor, W_k: Tensor) -> Tensor:
     """``W_qk[h] = W_q[h] W_k[h]ᵀ`` (``A_h`` of docs/math.md §2, no ``1/√d``)."""
     return W_q @ W_k.transpose(-1, -2)
+
+
+def bound_weights(attn: nn.Module) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``attn.head_weights()`` (``W_q, W_k, W_v, W_o``, detached) for the bounds.
+
+    The bounds take eq. (6), which has no query/key bias: a layer whose
+    ``b_q`` or ``b_k`` is non-zero is refused (``b_v`` and ``b_o`` only add a
+    constant).
+
+    Raises:
+        UnsupportedModelError: a non-zero query or key bias.
+    """
+    b = attn.head_biases()
+    if any(t is not None and bool((t != 0).any()) for t in (b.b_q, b.b_k)):
+        raise UnsupportedModelError(
+            "the attention bounds need bias-free query and key maps (qkv_bias=False)"
+        )
+    return tuple(W.detach() for W in attn.head_weights())
 
 
 def attention(

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
-from lipvit.certify.attention import value_output
+from lipvit.certify.attention import bound_weights, value_output
 from lipvit.certify.certification import float64_model
 from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.local import (
@@ -183,12 +183,7 @@ def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionB
     matrix (a row's norm is at most the Frobenius norm); SpecFormer has no row
     form and uses its whole bound for both.
     """
-    b = attn.head_biases()
-    if b.b_q is not None and (b.b_q.abs().max() > 0 or b.b_k.abs().max() > 0):
-        raise UnsupportedModelError(
-            "the attention bounds need bias-free query and key maps (qkv_bias=False)"
-        )
-    W = attn.head_weights()
+    W = bound_weights(attn)
     if method == "specformer":
         whole = specformer_terms(X, *W, residual=residual, variant="sound").delta
         return AttentionBound(whole, whole, None)

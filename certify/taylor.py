@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from lipvit.certify.attention import attention
+from lipvit.certify.attention import attention, bound_weights
 from lipvit.certify.certification import bisect_radius
 from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.local import (
@@ -93,11 +93,7 @@ def check_supported(model: ViT) -> None:
         )
     lipschitz = model.config.family == "lipschitz"
     for k, block in enumerate(model.blocks):
-        b = block.attn.head_biases()
-        if b.b_q is not None and bool((b.b_q != 0).any() or (b.b_k != 0).any()):
-            raise UnsupportedModelError(
-                f"block {k}: taylor needs bias-free query and key maps (qkv_bias=False)"
-            )
+        bound_weights(block.attn)  # refuses query/key biases
         norms = (block.norm1, block.norm2)
         kinds = (LayerProject, LayerProject) if lipschitz else (torch.nn.LayerNorm,) * 2
         if not all(isinstance(n, t) for n, t in zip(norms, kinds, strict=True)):

@@ -189,14 +189,14 @@ class VerifiableAttention(nn.Module):
     def __init__(self, attn: Attention):
         super().__init__()
         self.H, self.d = attn.num_heads, attn.head_dim
-        W = attn.qkv.weight.detach()  # (3D, D), caps applied
-        D = W.shape[1]
-        b = None if attn.qkv.bias is None else attn.qkv.bias.detach()  # (3D,)
+        Wt = attn.head_weights_t().detach()  # (3, H, d, D), caps applied
+        b = attn.head_biases()  # (H, d) each, or None
         scale = 1.0 / math.sqrt(self.d)  # SDPA's default scale, folded into q
 
         def part(i: int, factor: float = 1.0) -> nn.Linear:
-            rows = slice(i * D, (i + 1) * D)
-            return _linear(W[rows] * factor, None if b is None else b[rows] * factor)
+            W = Wt[i].reshape(-1, Wt.shape[-1]) * factor  # (D, D): rows (h, j)
+            bias = None if b[i] is None else b[i].detach().reshape(-1) * factor
+            return _linear(W, bias)
 
         self.q, self.k, self.v = part(0, scale), part(1), part(2)
         self.proj = _copy_linear(attn.proj)

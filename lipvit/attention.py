@@ -84,8 +84,6 @@ class L2Attention(nn.Module):
     ``Σ_h P_h X W_v[h] W_o[h]`` (plus the constant value/output biases).
     """
 
-    fused_qkv = False  # MSVP: read the matrices through head_weights()
-
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         D, H = cfg.embed_dim, cfg.num_heads
@@ -128,6 +126,10 @@ class L2Attention(nn.Module):
         A = W_q @ W_q.mT / math.sqrt(d)  # (H, D, D)
         W_o = self.proj.weight.T.reshape(H, d, D)  # (H, d, D)
         return HeadWeights(W_q, W_q, A @ W_V, W_o)
+
+    def head_weights_t(self) -> Tensor:
+        """:meth:`head_weights`' ``W_q, W_k, W_v`` transposed: ``(3, H, d, D)``."""
+        return torch.stack(self.head_weights()[:3]).mT
 
     def head_biases(self) -> HeadBiases:
         b_v = None if self.v.bias is None else self.v.bias.reshape(self.num_heads, -1)

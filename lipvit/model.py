@@ -53,10 +53,6 @@ class HeadBiases(NamedTuple):
 class Attention(nn.Module):
     """Multi-head dot-product self-attention ``Σ_h softmax(q_h k_hᵀ/√d) v_h W_o[h]``."""
 
-    # The qkv weight's row blocks are W_q[h]ᵀ, W_k[h]ᵀ, W_v[h]ᵀ (MSVP reads them
-    # without slicing); a subclass with another layout sets this to False.
-    fused_qkv = True
-
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         D, H = cfg.embed_dim, cfg.num_heads
@@ -86,14 +82,19 @@ class Attention(nn.Module):
         X W_v[h] W_o[h]`` exactly (LoFAST eq. 4, 6 with ``H = 0``). The
         weights are the effective ones (caps applied) and keep their gradients.
         """
+        W_q, W_k, W_v = self.head_weights_t().mT  # each (H, D, d)
         H, d = self.num_heads, self.head_dim
-        W = self.qkv.weight  # (3D, D)
-        D = W.shape[1]
-        W_q, W_k, W_v = (
-            W[i * D : (i + 1) * D].reshape(H, d, D).transpose(1, 2) for i in range(3)
-        )  # each (H, D, d)
-        W_o = self.proj.weight.T.reshape(H, d, D)  # (H, d, D)
+        W_o = self.proj.weight.T.reshape(H, d, -1)  # (H, d, D)
         return HeadWeights(W_q, W_k, W_v, W_o)
+
+    def head_weights_t(self) -> Tensor:
+        """``W_q[h]ᵀ, W_k[h]ᵀ, W_v[h]ᵀ`` stacked: ``(3, H, d, D)``.
+
+        The fused ``qkv`` weight's row blocks, reshaped without a copy (MSVP's
+        hot path); :meth:`head_weights` transposes them.
+        """
+        W = self.qkv.weight  # (3D, D)
+        return W.reshape(3, self.num_heads, self.head_dim, W.shape[1])
 
     def head_biases(self) -> HeadBiases:
         """Biases in the layout of :meth:`head_weights`."""

@@ -36,8 +36,8 @@ class MSVP(nn.Module):
     checkpoint.
 
     Args:
-        model: a model with attention modules exposing ``head_weights()`` (all
-            of the same shapes).
+        model: a model with attention modules exposing ``head_weights()`` and
+            ``head_weights_t()`` (all of the same shapes).
         lambdas: ``(λ_q, λ_k, λ_v)`` of eq. (14); eq. (11) is the case of equal λ.
         n_iter: power-iteration steps per call (SpecFormer: 1).
     """
@@ -65,13 +65,11 @@ class MSVP(nn.Module):
                 )
             raise ValueError("model has no attention module with head_weights()")
         self.n_iter = n_iter
-        # lipvit's dot, lipnorm and scsa attention store W_q[h]ᵀ, W_k[h]ᵀ,
-        # W_v[h]ᵀ as row blocks of the fused qkv weight: one stack of those
-        # weights gives every penalised matrix (transposed) without per-head
-        # slicing (the training hot path). Others go through head_weights(); for
-        # tied l2 attention W_q and W_k are one matrix, penalised once per role
-        # (λ_q + λ_k), and W_v is its effective value matrix A_h W_V[h].
-        self._fused = all(getattr(m, "fused_qkv", False) for m in self.modules_)
+        # Every attention module gives its penalised matrices, transposed, as
+        # head_weights_t() (dot, lipnorm, scsa: a view of the fused qkv weight,
+        # the training hot path). For tied l2 attention W_q and W_k are one
+        # matrix, penalised once per role (λ_q + λ_k), and W_v is its effective
+        # value matrix A_h W_V[h].
         self.register_buffer("lambdas", torch.tensor(lambdas, dtype=torch.float32))
         W = self.weights()  # (L, 3, H, D, d)
         g = torch.Generator().manual_seed(seed)
@@ -82,22 +80,16 @@ class MSVP(nn.Module):
 
     def weights(self) -> Tensor:
         """All penalised matrices stacked: ``(L, 3, H, D, d)`` (q, k, v)."""
+        return self.weights_t().mT
+
+    def weights_t(self) -> Tensor:
+        """The transposes of :meth:`weights`: ``(L, 3, H, d, D)``."""
         try:
-            return torch.stack(
-                [torch.stack(m.head_weights()[:3]) for m in self.modules_]
-            )
+            return torch.stack([m.head_weights_t() for m in self.modules_])
         except RuntimeError as err:
             raise ValueError(
                 f"attention layers differ in shape; MSVP needs one shape: {err}"
             ) from err
-
-    def weights_t(self) -> Tensor:
-        """The transposes of :meth:`weights`: ``(L, 3, H, d, D)``."""
-        if not self._fused:
-            return self.weights().mT
-        H, d = self.modules_[0].num_heads, self.modules_[0].head_dim
-        W = torch.stack([attn.qkv.weight for attn in self.modules_])  # (L, 3D, D)
-        return W.reshape(W.shape[0], 3, H, d, W.shape[-1])  # (L, 3, H, d, D)
 
     def sigma(self, update: bool = True) -> Tensor:
         """σ estimates ``uᵀ W v`` of shape ``(L, 3, H)``, differentiable through W.

@@ -74,7 +74,6 @@ def test_msvp_persistent_vectors_converge_to_every_head(family: str) -> None:
 def test_fused_weights_match_head_weights(family: str) -> None:
     model = _scaled_model(family, 1)
     msvp = MSVP(model, (1.0, 1.0, 1.0))
-    assert msvp._fused
     stacked = torch.stack(
         [torch.stack(a.head_weights()[:3]) for a in model.attention_layers()]
     )  # (L, 3, H, D, d)
