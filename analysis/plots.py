@@ -24,6 +24,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import NullFormatter, PercentFormatter
 
+from lipvit.files import atomic_path, check_writable
+
 ArrayLike = Sequence[float] | np.ndarray
 Band = tuple[ArrayLike, ArrayLike, ArrayLike]  # (mean, lo, hi)
 PathLike = str | os.PathLike
@@ -40,22 +42,31 @@ def new_figure(width: float = 6.4, height: float = 4.2, nrows: int = 1, ncols: i
     return fig, axes
 
 
-def save_figure(fig: Figure, path: PathLike, pdf: bool = False,
-                dpi: int = 150) -> list[Path]:
-    """Write ``fig`` to ``path`` (``.png`` appended if it has no suffix).
-
-    With ``pdf`` a ``.pdf`` is written beside it too. Returns the paths written.
-    """
+def figure_paths(path: PathLike, pdf: bool = False) -> list[Path]:
+    """The files :func:`save_figure` writes: ``path`` (``.png`` appended if it has
+    no suffix) and, with ``pdf``, a ``.pdf`` beside it."""
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    written = [path]
-    if pdf and path.suffix.lower() != ".pdf":
-        fig.savefig(path.with_suffix(".pdf"))
-        written.append(path.with_suffix(".pdf"))
-    return written
+    return [path] + ([path.with_suffix(".pdf")]
+                     if pdf and path.suffix.lower() != ".pdf" else [])
+
+
+def save_figure(fig: Figure, path: PathLike, pdf: bool = False, dpi: int = 150,
+                force: bool = True) -> list[Path]:
+    """Write ``fig`` to :func:`figure_paths` ``(path, pdf)``, each file atomically.
+
+    The one figure writer of lipvit (library and commands): readers never see
+    a half-written figure. Without ``force`` an existing file is refused
+    (:class:`lipvit.errors.LipvitError`) before anything is written. Returns
+    the paths written.
+    """
+    paths = figure_paths(path, pdf)
+    check_writable(paths, force)
+    for target in paths:
+        with atomic_path(target, force) as tmp:
+            fig.savefig(tmp, dpi=dpi)
+    return paths
 
 
 def spans_decades(*arrays: ArrayLike, decades: float = DECADES) -> bool:

@@ -42,7 +42,7 @@ def features(ckpt: Path, out: Path, attack_name: str, eps_text: str, norm: str,
     from lipvit.analysis.features import (
         feature_shift,  # sklearn, matplotlib: slow imports
     )
-    from lipvit.analysis.plots import plot_tsne
+    from lipvit.analysis.plots import plot_tsne, save_figure
 
     name = C.parse_names(attack_name, ATTACKS, "attack")
     if len(name) != 1:
@@ -62,11 +62,7 @@ def features(ckpt: Path, out: Path, attack_name: str, eps_text: str, norm: str,
     fig = plot_tsne(shift.embedding, list(shift.labels) * 2, shift.attacked_mask,
                     a_distance=shift.a_distance.a_distance, color_by=color_by,
                     attacked_label=label, title=f"{ckpt.name}: clean vs {label}")
-    with C.atomic_path(out / "tsne.png", force) as tmp:
-        fig.savefig(tmp, dpi=150)
-    if pdf:
-        with C.atomic_path(out / "tsne.pdf", force) as tmp:
-            fig.savefig(tmp)
+    save_figure(fig, out / "tsne.png", pdf, force=force)
 
     n_samples = len(shift.labels)
     ad = shift.a_distance

@@ -148,13 +148,13 @@ def certified(results: tuple[Path, ...], out: Path, x_axis: str, title: str | No
     """Certified accuracy against eps or radius from `lipvit certify --json`
     files, several runs and methods overlaid; `lipvit attack --json` files
     (l2) add the attacks' robust accuracy as the empirical ceiling."""
-    from lipvit.analysis.plots import (
-        plot_certified_accuracy,  # matplotlib: a slow import
+    from lipvit.analysis.plots import (  # matplotlib: a slow import
+        figure_paths,
+        plot_certified_accuracy,
+        save_figure,
     )
 
-    out_png = out if out.suffix else out.with_suffix(".png")
-    targets = [out_png] + ([out_png.with_suffix(".pdf")]
-                           if pdf and out_png.suffix.lower() != ".pdf" else [])
+    targets = figure_paths(out, pdf)
     C.check_writable(targets, force)
     loaded = [(p, C.read_json(p)) for p in results]
     kinds = {p: _kind(p, d) for p, d in loaded}
@@ -178,9 +178,7 @@ def certified(results: tuple[Path, ...], out: Path, x_axis: str, title: str | No
     fig = plot_certified_accuracy(curves, empirical or None, x_label=x_label,
                                   y_label=y_label, title=title, step=x_axis == "radius",
                                   styles=_styles(cert_runs, attack_runs))
-    for target in targets:
-        with C.atomic_path(target, force) as tmp:
-            fig.savefig(tmp, dpi=150)
+    save_figure(fig, out, pdf, force=force)
     click.echo(C.format_table(
         ["curve", "points", "max accuracy"],
         [[label, len(x), f"{float(np.max(acc)):.4f}"]
@@ -207,13 +205,13 @@ def gap(certify_json: Path, attack_json: Path, out: Path, method_text: str | Non
     --json`) against the smallest adversarial radius (`lipvit attack --radius
     --json`), matched by sample index, with the y = x line."""
     from lipvit.analysis.gap import join, summary_rows, violations
-    from lipvit.analysis.plots import (
-        plot_certification_gap,  # matplotlib: a slow import
+    from lipvit.analysis.plots import (  # matplotlib: a slow import
+        figure_paths,
+        plot_certification_gap,
+        save_figure,
     )
 
-    out_png = out if out.suffix else out.with_suffix(".png")
-    targets = [out_png] + ([out_png.with_suffix(".pdf")]
-                           if pdf and out_png.suffix.lower() != ".pdf" else [])
+    targets = figure_paths(out, pdf)
     C.check_writable(targets, force)
     cert = C.read_json(certify_json)
     methods = (C.parse_names(method_text, _radius_methods(cert), "method")
@@ -223,9 +221,7 @@ def gap(certify_json: Path, attack_json: Path, out: Path, method_text: str | Non
     fig = plot_certification_gap(data.attack, data.certified,
                                  first_order=data.first_order if first_order else None,
                                  estimates=data.estimates, title=title)
-    for target in targets:
-        with C.atomic_path(target, force) as tmp:
-            fig.savefig(tmp, dpi=150)
+    save_figure(fig, out, pdf, force=force)
     click.echo(C.format_table(
         ["method", "points", "n", "median certified", "median attack",
          "median ratio", "median first-order"],

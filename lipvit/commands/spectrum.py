@@ -112,7 +112,7 @@ def write_outputs(
     force: bool = False,
 ) -> list[Path]:
     """Write figures, CSVs and JSON for label → :class:`~.spectrum.Spectrum`."""
-    from lipvit.analysis.plots import plot_jacobian_violin, plot_spectra
+    from lipvit.analysis.plots import plot_jacobian_violin, plot_spectra, save_figure
     from lipvit.analysis.spectrum import PENALISED, compare_weights
 
     paths = output_paths(out, pdf)
@@ -152,12 +152,8 @@ def write_outputs(
         title=f"block Jacobians at {n} test inputs",
         styles=styles,
     )
-    for name, f in (("spectra", fig), ("jacobian", vfig)):
-        with C.atomic_path(out / f"{name}.png", force) as tmp:
-            f.savefig(tmp, dpi=150)
-        if pdf:
-            with C.atomic_path(out / f"{name}.pdf", force) as tmp:
-                f.savefig(tmp)
+    save_figure(fig, out / "spectra.png", pdf, force=force)
+    save_figure(vfig, out / "jacobian.png", pdf, force=force)
     w_rows = [r for label, s in results.items() for r in weight_rows(label, s.weights)]
     j_rows = [
         r

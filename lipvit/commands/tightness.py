@@ -58,16 +58,13 @@ def write_outputs(
     force: bool = False,
 ) -> list[Path]:
     """Write the figure, CSV and JSON of a :class:`~.tightness.Tightness`."""
+    from lipvit.analysis.plots import save_figure
     from lipvit.analysis.tightness import tightness_figure
 
     paths = output_paths(out, pdf)
     out.mkdir(parents=True, exist_ok=True)
     fig = tightness_figure(result)
-    with C.atomic_path(out / "tightness.png", force) as tmp:
-        fig.savefig(tmp, dpi=150)
-    if pdf:
-        with C.atomic_path(out / "tightness.pdf", force) as tmp:
-            fig.savefig(tmp)
+    save_figure(fig, out / "tightness.png", pdf, force=force)
     rows = result.rows()
     C.write_csv(out / "tightness.csv", rows, force=force, columns=CSV_COLUMNS)
     C.write_json(
