@@ -58,7 +58,7 @@ Shapes: ``n`` samples, ``B`` a batch, ``K`` classes, images ``(·, C, S, S)``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,6 +156,16 @@ class RadiusResult:
     @property
     def correct(self) -> np.ndarray:
         return self.predictions == self.labels
+
+    def to_records(self, index: Sequence[int]) -> list[dict[str, Any]]:
+        """One plain dict per sample (``index``: its test-set index)."""
+        return [{"index": int(index[i]), "label": int(self.labels[i]),
+                 "prediction": int(self.predictions[i]),
+                 "radius": float(self.radius[i]), "attack": self.attack[i],
+                 "verified": bool(self.verified[i]),
+                 "bracket_low": float(self.bracket_low[i]),
+                 "first_order_limit": float(self.first_order[i]),
+                 "probes": int(self.probes[i])} for i in range(self.n)]
 
 
 def first_order_limit(model: nn.Module, x: Tensor, y: Tensor,

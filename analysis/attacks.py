@@ -244,6 +244,10 @@ ATTACK_PRESETS: dict[str, AttackPreset] = {
 }
 
 
+#: The per-sample worst case over the attacks run (a row of every result).
+WORST = "worst-case"
+
+
 @dataclass(frozen=True, eq=False)
 class AttackResult:
     """Robust accuracy of one model at one ε under several attacks.
@@ -293,6 +297,39 @@ class AttackResult:
     @property
     def worst_case_accuracy(self) -> float:
         return float(self.worst_case.mean())
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One plain dict per attack and one for the :data:`WORST` case: robust
+        accuracy, seconds per sample and rejected points at this ε."""
+        n = max(self.n, 1)
+        rows = [{"attack": name, "norm": self.norm, "eps": self.eps,
+                 "robust_accuracy": acc, "n": self.n,
+                 "seconds_per_sample": self.seconds[name] / n,
+                 "rejected": self.rejected[name]}
+                for name, acc in self.robust_accuracy.items()]
+        rows.append({"attack": WORST, "norm": self.norm, "eps": self.eps,
+                     "robust_accuracy": self.worst_case_accuracy, "n": self.n,
+                     "seconds_per_sample": sum(self.seconds.values()) / n,
+                     "rejected": sum(self.rejected.values())})
+        return rows
+
+
+def sample_records(results: Sequence[AttackResult],
+                   index: Sequence[int]) -> list[dict[str, Any]]:
+    """One plain dict per sample of ``results`` (the same samples at several ε):
+    its test-set ``index``, label, clean prediction and whether it is still
+    correct after each attack at each ε (``"<attack>@<eps>"``, :data:`WORST`
+    included)."""
+    first = results[0]
+    samples = []
+    for i in range(first.n):
+        correct = {f"{a}@{r.eps}": bool(r.correct[a][i])
+                   for r in results for a in r.attacks}
+        correct.update({f"{WORST}@{r.eps}": bool(r.worst_case[i]) for r in results})
+        samples.append({"index": int(index[i]), "label": int(first.labels[i]),
+                        "prediction": int(first.clean_prediction[i]),
+                        "correct": correct})
+    return samples
 
 
 def resolve_settings(attacks: Sequence[str], norm: str,

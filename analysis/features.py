@@ -24,7 +24,7 @@ classifier (err = ½ on balanced sets), so a held-out err above ½ is clipped to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +175,20 @@ class FeatureShift:
     @property
     def attacked_accuracy(self) -> float:
         return float(np.mean(self.attacked_prediction == self.labels))
+
+    def to_records(self, index: Sequence[int]) -> list[dict[str, Any]]:
+        """One plain dict per row of :attr:`embedding` (clean rows, then
+        attacked): test-set ``index``, label, source, prediction, t-SNE point."""
+        n = len(self.labels)
+        return [{"index": int(index[i % n]),
+                 "label": int(self.labels[i % n]),
+                 "source": "attacked" if self.attacked_mask[i] else "clean",
+                 "prediction": int(self.attacked_prediction[i % n]
+                                   if self.attacked_mask[i]
+                                   else self.clean_prediction[i % n]),
+                 "tsne_x": float(self.embedding[i, 0]),
+                 "tsne_y": float(self.embedding[i, 1])}
+                for i in range(2 * n)]
 
 
 def feature_shift(model: nn.Module, x: Tensor, y: Tensor, *, attack: str = "pgd",

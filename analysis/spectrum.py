@@ -120,6 +120,23 @@ class JacobianSpectrum:
         """``Σ_k σ_max(J_{F_k})`` per sample, ``(B,)`` (the exponent of eq. 15)."""
         return self.sigma.sum(axis=0)
 
+    def to_records(self, checkpoint: str, index: Sequence[int]) -> list[dict]:
+        """Plain dicts ``checkpoint, block, index, sigma_max, sigma_exact,
+        l1_linf``, one per block and sample (``index``: test-set indices)."""
+        L, n = self.sigma.shape
+        return [
+            {
+                "checkpoint": checkpoint,
+                "block": k,
+                "index": int(index[i]),
+                "sigma_max": float(self.sigma[k, i]),
+                "sigma_exact": self.exact,
+                "l1_linf": float(self.l1_linf[k, i]),
+            }
+            for k in range(L)
+            for i in range(n)
+        ]
+
 
 def jacobian_spectrum(
     model: ViT,
@@ -229,6 +246,28 @@ class FirstOrder:
     method: str
     exact_sigma: bool
 
+    def to_records(self, checkpoint: str) -> list[dict]:
+        """Plain dicts per ε: mean first-order estimate, certified budget, PGD
+        deviation and their ratios."""
+        return [
+            {
+                "checkpoint": checkpoint,
+                "eps": float(e),
+                "first_order_mean": float(self.first_order[i].mean()),
+                "product_mean": float(self.product[i].mean()),
+                "certified_mean": float(self.certified[i].mean()),
+                "pgd_mean": float(self.pgd[i].mean()),
+                "first_order_over_pgd": float(
+                    self.first_order[i].mean() / self.pgd[i].mean()
+                ),
+                "certified_over_pgd": float(
+                    self.certified[i].mean() / self.pgd[i].mean()
+                ),
+                "method": self.method,
+            }
+            for i, e in enumerate(self.eps)
+        ]
+
 
 def first_order_deviation(
     model: ViT,
@@ -307,6 +346,25 @@ class Spectrum:
     weights: dict[str, np.ndarray]
     jacobian: JacobianSpectrum
     deviation: FirstOrder | None
+
+    def weight_records(self, checkpoint: str) -> list[dict]:
+        """Plain dicts ``checkpoint, block, head, matrix, sigma_max`` (exact σ_max)."""
+        return [
+            {
+                "checkpoint": checkpoint,
+                "block": layer,
+                "head": head,
+                "matrix": matrix,
+                "sigma_max": float(values[layer, head]),
+            }
+            for matrix, values in self.weights.items()
+            for layer in range(values.shape[0])
+            for head in range(values.shape[1])
+        ]
+
+    def deviation_records(self, checkpoint: str) -> list[dict]:
+        """:meth:`FirstOrder.to_records` of :attr:`deviation` (none without it)."""
+        return [] if self.deviation is None else self.deviation.to_records(checkpoint)
 
 
 def spectrum(

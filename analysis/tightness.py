@@ -241,7 +241,7 @@ class Tightness:
             for m, b in self.bounds.items()
         }
 
-    def rows(self) -> list[dict[str, Any]]:
+    def to_records(self) -> list[dict[str, Any]]:
         """One row per (method, ε): mean/min/max bound, PGD and their ratio.
 
         ``ratio`` is ``mean bound / mean PGD`` (the tightness factor of LoFAST's
@@ -784,6 +784,6 @@ def summary_table(
     wanted = None if eps is None else {float(e) for e in eps}
     return [
         [r["method"], r["eps"], r["bound_mean"], r["pgd_mean"], r["ratio"]]
-        for r in result.rows()
+        for r in result.to_records()
         if wanted is None or r["eps"] in wanted
     ]

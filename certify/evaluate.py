@@ -81,6 +81,40 @@ class CertifyReport:
     def clean_accuracy(self) -> float:
         return float((self.predictions == self.labels).float().mean())
 
+    def to_records(self) -> list[dict]:
+        """One plain dict per (method, ε): the rows of ``lipvit certify``'s CSV."""
+        return [
+            {
+                "method": r.method,
+                "eps": r.eps,
+                "clean_accuracy": self.clean_accuracy,
+                "certified_accuracy": r.certified_accuracy,
+                "seconds_per_sample": r.seconds_per_sample,
+                "exact": r.exact,
+            }
+            for r in self.results
+        ]
+
+    def sample_records(self, index: Sequence[int]) -> list[dict]:
+        """One plain dict per sample (``index``: its test-set index): label,
+        prediction, margin, certified radius (the first method's) and whether
+        each ``"<method>@<eps>"`` certifies it."""
+        primary = next(iter(self.radii), None)
+        out = []
+        for i in range(self.n):
+            record = {
+                "index": int(index[i]),
+                "label": int(self.labels[i]),
+                "prediction": int(self.predictions[i]),
+                "margin": float(self.margins[i]),
+                "radius": float(self.radii[primary][i]) if primary else None,
+                "certified": {k: bool(v[i]) for k, v in self.certified.items()},
+            }
+            if self.radii:
+                record["radii"] = {m: float(r[i]) for m, r in self.radii.items()}
+            out.append(record)
+        return out
+
 
 def _check(methods: Sequence[str], eps_list: Sequence[float]) -> None:
     unknown = [m for m in methods if m not in ALL_METHODS]

@@ -62,7 +62,7 @@ def main() -> None:
         pgd=PGDSettings(steps=50, restarts=2),
     )
     tightness_figure(result, path=args.out)
-    for row in result.rows():
+    for row in result.to_records():
         print(f"{row['method']:13} eps={row['eps']:<5} bound/PGD={row['ratio']:.4g}")
     print(f"wrote {args.out}")
 

@@ -157,7 +157,7 @@ def test_network_bounds_sound(model, images):
 
 def test_rows_are_consistent(model, images):
     r = T.layer_tightness(model, images, 0, EPS, ["lofast", "specformer"], pgd=PGD)
-    rows = r.rows()
+    rows = r.to_records()
     assert [(x["method"], x["eps"]) for x in rows] == [
         (m, e) for m in ("lofast", "specformer") for e in EPS
     ]

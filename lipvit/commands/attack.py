@@ -10,7 +10,6 @@ import click
 
 from lipvit.analysis.attack_radius import (
     RADIUS_ATTACKS,
-    RadiusResult,
     RadiusSettings,
     attack_radius,
     summary,
@@ -18,56 +17,19 @@ from lipvit.analysis.attack_radius import (
 from lipvit.analysis.attacks import (
     ATTACK_PRESETS,
     ATTACKS,
-    AttackResult,
+    WORST,
     resolve_settings,
     robust_accuracy,
+    sample_records,
 )
 from lipvit.commands import _common as C
 
-WORST = "worst-case"
 RADIUS_QUANTITIES = {
     "radius": "upper bound of the smallest adversarial l2 radius: the verified "
               "distance of an adversarial point (0: misclassified; null: none found)",
     "bracket_low": "largest eps at which every attack failed (not a bound)",
     "first_order_limit": "estimate, not a bound: min_j margin_j / ||grad_x margin_j||",
 }
-
-
-def _rows(result: AttackResult, n: int) -> list[dict]:
-    rows = [{"attack": name, "norm": result.norm, "eps": result.eps,
-             "robust_accuracy": acc, "n": n,
-             "seconds_per_sample": result.seconds[name] / max(n, 1),
-             "rejected": result.rejected[name]}
-            for name, acc in result.robust_accuracy.items()]
-    rows.append({"attack": WORST, "norm": result.norm, "eps": result.eps,
-                 "robust_accuracy": result.worst_case_accuracy, "n": n,
-                 "seconds_per_sample": sum(result.seconds.values()) / max(n, 1),
-                 "rejected": sum(result.rejected.values())})
-    return rows
-
-
-def _samples(results: list[AttackResult], index) -> list[dict]:
-    # Per test sample: correct after each attack at each eps ("<attack>@<eps>").
-    first = results[0]
-    samples = []
-    for i in range(first.n):
-        correct = {f"{a}@{r.eps}": bool(r.correct[a][i])
-                   for r in results for a in r.attacks}
-        correct.update({f"{WORST}@{r.eps}": bool(r.worst_case[i]) for r in results})
-        samples.append({"index": int(index[i]), "label": int(first.labels[i]),
-                        "prediction": int(first.clean_prediction[i]),
-                        "correct": correct})
-    return samples
-
-
-def _radius_samples(result: RadiusResult, index) -> list[dict]:
-    return [{"index": int(index[i]), "label": int(result.labels[i]),
-             "prediction": int(result.predictions[i]),
-             "radius": float(result.radius[i]), "attack": result.attack[i],
-             "verified": bool(result.verified[i]),
-             "bracket_low": float(result.bracket_low[i]),
-             "first_order_limit": float(result.first_order[i]),
-             "probes": int(result.probes[i])} for i in range(result.n)]
 
 
 def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int | None,
@@ -103,7 +65,7 @@ def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int 
                    err=True)
     if not info["all_verified"]:  # a bug: every kept point is re-checked
         raise AssertionError("an adversarial point failed its re-check")
-    samples = _radius_samples(result, data.index)
+    samples = result.to_records(data.index)
     if json_path:
         C.write_json(json_path, {
             "checkpoint": str(ckpt), "dataset": data.dataset, "n": result.n,
@@ -215,7 +177,7 @@ def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
                                progress=sys.stderr.isatty(), **settings)
                for eps in eps_list]
 
-    rows = [row for r in results for row in _rows(r, n_samples)]
+    rows = [row for r in results for row in r.to_records()]
     clean = results[0].clean_accuracy
     click.echo(f"{ckpt}: {data.dataset}, n={n_samples}, clean accuracy {clean:.4f}, "
                f"threat model {norm}")
@@ -234,6 +196,7 @@ def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
             "checkpoint": str(ckpt), "dataset": data.dataset, "n": n_samples,
             "norm": norm, "preset": preset, "attacks": names,
             "clean_accuracy": clean, "settings": results[0].settings,
-            "results": rows, "samples": _samples(results, data.index)}, force=force)
+            "results": rows, "samples": sample_records(results, data.index)},
+            force=force)
     if csv_path:
         C.write_csv(csv_path, rows, force=force)

@@ -33,20 +33,6 @@ from lipvit.distributed import (
 from lipvit.train import cpu_threads
 
 
-def _summary_rows(report: CertifyReport) -> list[dict]:
-    return [
-        {
-            "method": r.method,
-            "eps": r.eps,
-            "clean_accuracy": report.clean_accuracy,
-            "certified_accuracy": r.certified_accuracy,
-            "seconds_per_sample": r.seconds_per_sample,
-            "exact": r.exact,
-        }
-        for r in report.results
-    ]
-
-
 def _radius_rows(report: CertifyReport, radii: list[float]) -> list[list]:
     rows = []
     for method, radius in report.radii.items():
@@ -81,24 +67,6 @@ def _radius_lines(report: CertifyReport, radius: bool, index) -> list[str]:
             lines.append("no point is certified at any eps (every margin is "
                          "too small for the bound)")
     return lines
-
-
-def _samples(report: CertifyReport, index) -> list[dict]:
-    primary = next(iter(report.radii), None)
-    out = []
-    for i in range(report.n):
-        record = {
-            "index": int(index[i]),
-            "label": int(report.labels[i]),
-            "prediction": int(report.predictions[i]),
-            "margin": float(report.margins[i]),
-            "radius": float(report.radii[primary][i]) if primary else None,
-            "certified": {k: bool(v[i]) for k, v in report.certified.items()},
-        }
-        if report.radii:
-            record["radii"] = {m: float(r[i]) for m, r in report.radii.items()}
-        out.append(record)
-    return out
 
 
 @click.command("certify")
@@ -253,7 +221,7 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
             eps_list: list[float], radius: bool, json_path: Path | None,
             csv_path: Path | None, force: bool) -> None:
     """Print the tables and write the JSON/CSV of the merged report."""
-    rows = _summary_rows(report)
+    rows = report.to_records()
     click.echo(
         f"{ckpt}  dataset={data.dataset}  n={report.n}  "
         f"clean accuracy={report.clean_accuracy:.4f}"
@@ -293,21 +261,9 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
                 "dataset": data.dataset,
                 "n": report.n,
                 "clean_accuracy": report.clean_accuracy,
-                "results": [
-                    {
-                        k: r[k]
-                        for k in (
-                            "method",
-                            "eps",
-                            "certified_accuracy",
-                            "seconds_per_sample",
-                            "exact",
-                        )
-                    }
-                    for r in rows
-                ],
+                "results": [dataclasses.asdict(r) for r in report.results],
                 "quantities": {m: QUANTITIES[m] for m in methods if m in QUANTITIES},
-                "samples": _samples(report, data.index),
+                "samples": report.sample_records(data.index),
             },
             force,
         )

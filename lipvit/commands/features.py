@@ -75,16 +75,7 @@ def features(ckpt: Path, out: Path, attack_name: str, eps_text: str, norm: str,
         "attacked_accuracy": shift.attacked_accuracy,
         "counts": {"clean": n_samples, "attacked": n_samples},
         "feature_dim": int(shift.clean.shape[1])}, force=force)
-    rows = [{"index": int(data.index[i % n_samples]),
-             "label": int(shift.labels[i % n_samples]),
-             "source": "attacked" if shift.attacked_mask[i] else "clean",
-             "prediction": int(shift.attacked_prediction[i % n_samples]
-                               if shift.attacked_mask[i]
-                               else shift.clean_prediction[i % n_samples]),
-             "tsne_x": float(shift.embedding[i, 0]),
-             "tsne_y": float(shift.embedding[i, 1])}
-            for i in range(2 * n_samples)]
-    C.write_csv(out / "tsne.csv", rows, force=force)
+    C.write_csv(out / "tsne.csv", shift.to_records(data.index), force=force)
     click.echo(f"{ckpt}: {data.dataset}, n={n_samples}, {label}")
     click.echo(C.format_table(
         ["A-distance", "domain error", "clean accuracy", "attacked accuracy"],

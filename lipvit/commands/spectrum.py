@@ -46,61 +46,6 @@ def checkpoint_labels(paths: list[Path], labels: tuple[str, ...]) -> list[str]:
     return names
 
 
-def weight_rows(label: str, weights: dict[str, np.ndarray]) -> list[dict]:
-    """CSV rows ``checkpoint, block, head, matrix, sigma_max`` (exact σ_max)."""
-    return [
-        {
-            "checkpoint": label,
-            "block": layer,
-            "head": head,
-            "matrix": matrix,
-            "sigma_max": float(values[layer, head]),
-        }
-        for matrix, values in weights.items()
-        for layer in range(values.shape[0])
-        for head in range(values.shape[1])
-    ]
-
-
-def jacobian_rows(label: str, jac, index) -> list[dict]:
-    """CSV rows ``checkpoint, block, index, sigma_max, sigma_exact, l1_linf``."""
-    L, n = jac.sigma.shape
-    return [
-        {
-            "checkpoint": label,
-            "block": k,
-            "index": int(index[i]),
-            "sigma_max": float(jac.sigma[k, i]),
-            "sigma_exact": jac.exact,
-            "l1_linf": float(jac.l1_linf[k, i]),
-        }
-        for k in range(L)
-        for i in range(n)
-    ]
-
-
-def deviation_rows(label: str, dev) -> list[dict]:
-    """CSV rows per ε: mean first-order estimate, certified budget and PGD deviation."""
-    if dev is None:
-        return []
-    return [
-        {
-            "checkpoint": label,
-            "eps": float(e),
-            "first_order_mean": float(dev.first_order[i].mean()),
-            "product_mean": float(dev.product[i].mean()),
-            "certified_mean": float(dev.certified[i].mean()),
-            "pgd_mean": float(dev.pgd[i].mean()),
-            "first_order_over_pgd": float(
-                dev.first_order[i].mean() / dev.pgd[i].mean()
-            ),
-            "certified_over_pgd": float(dev.certified[i].mean() / dev.pgd[i].mean()),
-            "method": dev.method,
-        }
-        for i, e in enumerate(dev.eps)
-    ]
-
-
 def write_outputs(
     results: dict,
     out: Path,
@@ -154,15 +99,11 @@ def write_outputs(
     )
     save_figure(fig, out / "spectra.png", pdf, force=force)
     save_figure(vfig, out / "jacobian.png", pdf, force=force)
-    w_rows = [r for label, s in results.items() for r in weight_rows(label, s.weights)]
+    w_rows = [r for label, s in results.items() for r in s.weight_records(label)]
     j_rows = [
-        r
-        for label, s in results.items()
-        for r in jacobian_rows(label, s.jacobian, index)
+        r for label, s in results.items() for r in s.jacobian.to_records(label, index)
     ]
-    d_rows = [
-        r for label, s in results.items() for r in deviation_rows(label, s.deviation)
-    ]
+    d_rows = [r for label, s in results.items() for r in s.deviation_records(label)]
     C.write_csv(out / "weights.csv", w_rows, force=force)
     C.write_csv(out / "jacobian.csv", j_rows, force=force)
     C.write_csv(
@@ -425,9 +366,7 @@ def spectrum(
             ],
         )
     )
-    d_rows = [
-        r for label, s in results.items() for r in deviation_rows(label, s.deviation)
-    ]
+    d_rows = [r for label, s in results.items() for r in s.deviation_records(label)]
     if d_rows:
         click.echo("\ndeviation of the last block's output (means over samples):")
         click.echo(

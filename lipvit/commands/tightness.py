@@ -65,7 +65,7 @@ def write_outputs(
     out.mkdir(parents=True, exist_ok=True)
     fig = tightness_figure(result)
     save_figure(fig, out / "tightness.png", pdf, force=force)
-    rows = result.rows()
+    rows = result.to_records()
     C.write_csv(out / "tightness.csv", rows, force=force, columns=CSV_COLUMNS)
     C.write_json(
         out / "tightness.json",
@@ -290,7 +290,7 @@ def tightness(
                     r["ratio"],
                     "yes" if r["exact"] else "no (estimate)",
                 ]
-                for r in result.rows()
+                for r in result.to_records()
             ],
         )
     )
