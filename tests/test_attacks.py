@@ -18,13 +18,13 @@ pytest.importorskip("torchattacks")
 
 @pytest.fixture(scope="module")
 def trained():
-    """A standard digits-tiny ViT trained 300 steps, and 64 test points."""
+    """A standard digits-tiny ViT trained 100 steps, and 64 test points."""
     torch.manual_seed(0)
     data = load_dataset("digits")
     model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     g = torch.Generator().manual_seed(0)
-    for _ in range(300):
+    for _ in range(100):
         i = torch.randint(0, data.x_train.shape[0], (128,), generator=g)
         loss = F.cross_entropy(model(data.x_train[i]), data.y_train[i])
         opt.zero_grad()
