@@ -68,6 +68,9 @@ SLOW_TESTS = (
     "tests/test_structured.py::test_structured_route_sound_against_pgd[[][12]]",
     "tests/test_features.py::test_a_distance_separable_sets_is_two[[]1]",
     "tests/test_msvp.py::test_penalty_lowers_sigma_max_in_training[[]lipschitz]",
+    "tests/test_compare.py::test_fast_run_writes_the_report",
+    "tests/test_compare.py::test_rerun_reuses_models_and_evaluations",
+    "tests/test_compare.py::test_changed_settings_are_refused_or_redone",
 )
 
 
