@@ -11,16 +11,15 @@ import torch.nn.functional as F
 from lipvit.analysis import attacks as A
 
 import lipvit
-from lipvit.data import load_dataset
 
 pytest.importorskip("torchattacks")
 
 
 @pytest.fixture(scope="module")
-def trained():
+def trained(digits):
     """A standard digits-tiny ViT trained 100 steps, and 64 test points."""
     torch.manual_seed(0)
-    data = load_dataset("digits")
+    data = digits
     model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     g = torch.Generator().manual_seed(0)

@@ -14,7 +14,6 @@ from conftest import quick_train, tiny_config
 import lipvit
 from lipvit.checkpoint import save_checkpoint
 from lipvit.cli import main
-from lipvit.data import load_dataset
 
 pytest.importorskip("torchattacks")
 
@@ -23,11 +22,10 @@ QUICK = ("--steps", "3", "--restarts", "1", "--radius-tol", "0.05")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def ckpt(tmp_path_factory, digits):
     """A tiny lipschitz ViT on digits, briefly trained."""
     torch.manual_seed(0)
-    data = load_dataset("digits")
-    model = quick_train(lipvit.ViT(tiny_config("lipschitz")), data, 60)
+    model = quick_train(lipvit.ViT(tiny_config("lipschitz")), digits, 60)
     path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
     save_checkpoint(path, model, dataset="digits")
     return path

@@ -29,7 +29,6 @@ from torch import nn
 
 import lipvit
 from lipvit.config import ViTConfig
-from lipvit.data import load_dataset
 from lipvit.errors import LipvitError, UnsupportedModelError
 from lipvit.layers import layer_project
 
@@ -293,10 +292,10 @@ def test_fast_matmul_backward_equals_auto_lirpa(identity):
 
 
 @pytest.fixture(scope="module")
-def trained():
+def trained(digits):
     """A tiny lipschitz ViT (8×8 digits, 4×4 patches, D=8, 2 blocks) trained briefly."""
     torch.manual_seed(0)
-    data = load_dataset("digits")
+    data = digits
     model = lipvit.ViT(ViTConfig(**TINY, mean=data.mean, std=data.std))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     g = torch.Generator().manual_seed(0)

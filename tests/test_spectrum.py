@@ -18,15 +18,14 @@ from matplotlib.figure import Figure
 
 import lipvit
 from lipvit.cli import main
-from lipvit.data import load_dataset
 from lipvit.train import train, train_config_for
 
 SMALL = dict(embed_dim=16, depth=2, num_heads=2, mlp_ratio=1.0)
 
 
 @pytest.fixture(scope="module")
-def data():
-    return load_dataset("digits")
+def data(digits):
+    return digits
 
 
 @pytest.fixture(scope="module")

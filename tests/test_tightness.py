@@ -18,7 +18,6 @@ from matplotlib.figure import Figure
 
 import lipvit
 from lipvit.cli import main
-from lipvit.data import load_dataset
 from lipvit.errors import UnsupportedModelError
 from lipvit.train import train, train_config_for
 
@@ -26,8 +25,8 @@ SMALL = dict(embed_dim=16, depth=2, num_heads=2, mlp_ratio=1.0)
 
 
 @pytest.fixture(scope="module")
-def data():
-    return load_dataset("digits")
+def data(digits):
+    return digits
 
 
 @pytest.fixture(scope="module")
