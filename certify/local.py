@@ -38,7 +38,7 @@ import math
 from typing import Literal
 
 import torch
-from lipvit.certify.eps import eps_per_sample
+from lipvit.certify.eps import check_eps, eps_per_sample
 from torch import Tensor
 
 from lipvit.spectral import gamma as gamma_k
@@ -109,8 +109,7 @@ def layernorm_local_lipschitz(
         ``(B,)`` tensor in ``X``'s dtype (``(B, N)`` with ``per_token``).
     """
     _check_tokens(X)
-    if not (math.isfinite(eta) and eta >= 0):
-        raise ValueError(f"eta must be a finite non-negative number, got {eta}")
+    check_eps(eta, name="eta")
     eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     D = X.shape[-1]
     g_inf = (torch.ones((), dtype=X.dtype, device=X.device) if gamma is None
@@ -135,11 +134,6 @@ def _vector_norms(X: Tensor, mode: Mode) -> Tensor:
 def _vector_size(X: Tensor, mode: Mode) -> int:
     """Entries of one projected vector: ``D`` (token) or ``N·D`` (frobenius)."""
     return X.shape[-1] if mode == "token" else X.shape[-2] * X.shape[-1]
-
-
-def _check_radius(radius: float) -> None:
-    if not (math.isfinite(radius) and radius > 0):
-        raise ValueError(f"radius must be a finite positive number, got {radius}")
 
 
 def layer_project_local_lipschitz(
@@ -173,7 +167,7 @@ def layer_project_local_lipschitz(
         ``(B,)`` tensor in ``X``'s dtype, values in ``(0, 1]``.
     """
     _check_tokens(X)
-    _check_radius(radius)
+    check_eps(radius, positive=True, name="radius")
     eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     low, _ = _norm_range(_vector_norms(X, mode), _vector_size(X, mode))
     gap = low - eps_b[:, None]  # (B, N) or (B, 1): min ‖y‖ on the ball
@@ -197,7 +191,7 @@ def layer_project_is_identity(
         ``(B,)`` bool tensor.
     """
     _check_tokens(X)
-    _check_radius(radius)
+    check_eps(radius, positive=True, name="radius")
     eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     _, high = _norm_range(_vector_norms(X, mode), _vector_size(X, mode))
     return ((high + eps_b[:, None]) * (1 + gamma_k(2)) <= radius).all(-1)
