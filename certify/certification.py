@@ -95,6 +95,7 @@ def bisect_radius(
     max_radius: float = 10.0,
     max_iter: int = 100,
     certified_at: Sequence[tuple[float, Tensor]] = (),
+    bracket: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Largest certified ε per sample by bisection, for any certificate.
 
@@ -118,6 +119,12 @@ def bisect_radius(
             starts from the largest certified ε and below the smallest
             uncertified one, so a point certified at a listed ε gets a radius
             ``≥ ε`` and one not certified there a radius ``< ε``.
+        bracket: optional per-sample ``(lo, hi)`` ``(B,)`` to search between
+            instead of ``[0, max_radius]``: ``lo`` is checked (0 where it is
+            not certified) and the search never goes above ``hi``. Points are
+            split at the geometric mean while ``lo > 0``, so probes stay near
+            the radius when the bracket spans orders of magnitude (for
+            certificates whose cost grows with ε).
 
     Returns:
         ``(B,)`` radii: the lower end of the final bracket, a value at which the
@@ -129,11 +136,18 @@ def bisect_radius(
         raise ValueError("rtol, tol must be >= 0 (one > 0) and max_radius > 0")
     lo = torch.zeros(candidates.shape, dtype=dtype, device=candidates.device)
     hi = torch.full_like(lo, max_radius)
+    if bracket is not None:
+        lo = bracket[0].to(dtype).clamp_min(0)
+        ok = candidates & (lo > 0) & certified(lo)
+        lo = torch.where(ok, lo, torch.zeros_like(lo))
+        hi = torch.maximum(bracket[1].to(dtype), lo)
     for eps, ok in certified_at:
         e = torch.full_like(lo, float(eps))
         lo = torch.where(ok & (e > lo) & (e <= hi), e, lo)
         hi = torch.where(~ok & (e < hi) & (e > lo), e, hi)
-    top = (hi == max_radius) & certified(hi) & candidates
+    top = torch.zeros_like(candidates) if bracket is not None else (
+        (hi == max_radius) & certified(hi) & candidates
+    )
     lo = torch.where(top, hi, lo)
     for _ in range(max_iter):
         width = torch.maximum(rtol * hi, torch.full_like(hi, tol))
@@ -141,7 +155,11 @@ def bisect_radius(
         if not bool(open_.any()):
             break
         mid = (lo + hi) / 2
-        ok = certified(mid)
+        if bracket is not None:
+            mid = torch.where(lo > 0, (lo * hi).sqrt(), mid)
+        # Closed samples are probed at 0 (cheap for certificates whose cost grows
+        # with ε); their result is not used.
+        ok = certified(torch.where(open_, mid, torch.zeros_like(mid)))
         lo = torch.where(open_ & ok, mid, lo)
         hi = torch.where(open_ & ~ok, mid, hi)
     return torch.where(candidates, lo, torch.zeros_like(lo))

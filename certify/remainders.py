@@ -250,7 +250,9 @@ def attention_jacobian_norm(terms: LoFASTTerms) -> Tensor:
     return terms.zeta + soft
 
 
-def attention_remainder(terms: LoFASTTerms, beta: Tensor) -> Tensor:
+def attention_remainder(
+    terms: LoFASTTerms, beta: Tensor, logit_radius: Tensor | None = None
+) -> Tensor:
     """Bound on ``‖a(X+Γ) − a(X) − J_a Γ‖_F`` for ``‖Γ‖_F ≤ β``, docs/taylor.md §7.
 
     With ``ΔS_h = (Γ A_h Xᵀ + X A_h Γᵀ + Γ A_h Γᵀ)/√d`` (``‖ΔS_h‖_F ≤ ρ_h =
@@ -264,11 +266,16 @@ def attention_remainder(terms: LoFASTTerms, beta: Tensor) -> Tensor:
     (:func:`lipvit.certify.lofast.softmax_local_constant`) and ``c₂_h``
     (:func:`softmax_curvature_constant`). ``(B,)``; ``terms`` of the bare
     attention at its clean input (any ``H``: the residual has no remainder).
+    ``logit_radius`` ``(B, H)``: an optional tighter bound on ``‖ΔS_h‖_F``
+    (e.g. from the exact Jacobian image → logits, docs/taylor.md §7); the
+    smaller of it and ``ρ_h`` is used.
     """
     N = terms.logits.shape[-1]
     b = beta[:, None]  # (B, 1)
     sqrt_d = math.sqrt(terms.head_dim)
     rho = b * (terms.m_norm + b * terms.qk_norm) / sqrt_d  # (B, H)
+    if logit_radius is not None:
+        rho = torch.minimum(rho, logit_radius)
     c0 = softmax_local_constant(terms.logits, torch.zeros_like(rho))
     c_loc = softmax_local_constant(terms.logits, rho)
     c2 = softmax_curvature_constant(terms.logits, rho)

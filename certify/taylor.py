@@ -26,7 +26,11 @@ Perturbation budgets β (docs/taylor.md §8). On the residual stream
   ``β_m ≤ ‖J_{m←x}‖ ε + Σ_{k≤m} (Π_{i=k+1..m} λ_i) ρ^sub_k(β_{k−1})`` with
   ``‖J_{m←x}‖`` exact (the ``n × n`` Gram matrix of ``n`` JVPs, ``n`` the image
   dimension; eigvalsh), ``λ_i`` a sound bound on sub-block ``i``'s Jacobian
-  norm at the clean point and ``ρ^sub_k`` its remainder's norm.
+  norm at the clean point and ``ρ^sub_k`` its remainder's norm. In a
+  lipschitz model the ReLU units that can flip are carried exactly instead,
+  as *symbols* (:mod:`lipvit.certify.symbols`, docs/taylor.md §5):
+  ``β_m`` gains ``Σ_i ‖G_{m,i}‖ ρ_i`` and each later unit's budget
+  ``Σ_i |G_{z,i}| ρ_i``, with exact coefficients.
 
 Each ``β_m`` is the minimum of the two (both sound); the class token's budget
 also takes the chain's class-token budget. Every quantity is float64. The first
@@ -41,13 +45,11 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
-from lipvit.certify.attention import attention, bound_weights
-from lipvit.certify.certification import bisect_radius
+from lipvit.certify.certification import bisect_radius, certified_radius
 from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.local import (
     gelu_mlp_local_lipschitz,
@@ -62,212 +64,27 @@ from lipvit.certify.remainders import (
     gelu_curvature,
     layer_project_remainder,
     layernorm_curvature,
-    relu_remainder,
 )
+from lipvit.certify.sites import (
+    SITES,
+    JacobianNorms,
+    Record,
+    check_supported,
+    forward,
+    jacobian_norms,
+    site_gradients,
+)
+from lipvit.certify.symbols import Carried, flip_range, propagate
 from torch import Tensor
 
-from lipvit.errors import UnsupportedModelError
-from lipvit.layers import SLL, LayerProject
-from lipvit.model import MLP, ViT
+from lipvit.layers import LayerProject
+from lipvit.model import ViT
 from lipvit.spectral import spectral_norm
+
+__all__ = ["ROUNDING", "TaylorBound", "forward", "taylor_bound"]
 
 ROUNDING = 1e-9
 """Relative allowance added to every margin-drop bound for float64 rounding."""
-
-SITES = ("norm1", "attn", "norm2", "act")
-"""Nonlinear sites of a block, in order; the final norm is the site ``"norm"``."""
-
-Inject = dict[tuple[int, str], Tensor]
-
-
-# --------------------------------------------------------------------------
-# The forward pass with injections at the sites.
-# --------------------------------------------------------------------------
-
-
-def check_supported(model: ViT) -> None:
-    """Refuse, with a one-line reason, a model the taylor method cannot bound."""
-    if not isinstance(model, ViT):
-        raise UnsupportedModelError(
-            f"taylor needs a lipvit ViT, got {type(model).__name__}"
-        )
-    lipschitz = model.config.family == "lipschitz"
-    for k, block in enumerate(model.blocks):
-        bound_weights(block.attn)  # refuses query/key biases
-        norms = (block.norm1, block.norm2)
-        kinds = (LayerProject, LayerProject) if lipschitz else (torch.nn.LayerNorm,) * 2
-        if not all(isinstance(n, t) for n, t in zip(norms, kinds, strict=True)):
-            raise UnsupportedModelError(f"block {k}: unsupported normalisation layers")
-        if lipschitz and block.norm2.mode != "token":
-            raise UnsupportedModelError(f"block {k}: norm2 must project per token")
-        if not isinstance(block.mlp, SLL if lipschitz else MLP):
-            raise UnsupportedModelError(f"block {k}: unsupported feed-forward layer")
-    if lipschitz and model.norm.mode != "token":
-        raise UnsupportedModelError("the final LayerProject must project per token")
-
-
-def _attention(attn, p: Tensor) -> Tensor:
-    """``attn(p)`` with an explicit softmax (LoFAST eq. 6, ``H = 0``, plus biases)."""
-    W = attn.head_weights()
-    b = attn.head_biases()
-    out = attention(p, *W, residual=False)  # (B, N, D)
-    if b.b_v is not None:
-        out = out + torch.einsum("hd,hdE->E", b.b_v, W.W_o)
-    return out + b.b_o if b.b_o is not None else out
-
-
-@dataclass
-class Record:
-    """Clean (or dual) values of a forward pass: residual stream and site inputs."""
-
-    stream: list[Tensor]  # 2K + 1 tensors (B, N, D): s_0, s_1, …, s_{2K}
-    attn_in: list[Tensor]  # (B, N, D): norm1's output, the attention's input
-    act_in: list[Tensor]  # (B, N, m): the activation's pre-activations
-
-
-def forward(
-    model: ViT, x: Tensor, inject: Inject | None = None
-) -> tuple[Tensor, Record]:
-    """``model(x)`` with zero (or any) tensors added at every site's output.
-
-    ``inject[(k, site)]`` is added to block ``k``'s ``site`` output and
-    ``inject[(-1, "norm")]`` to the final norm's class-token output. Equal to
-    ``model(x)`` without injections (tested). Returns logits ``(B, classes)``
-    and a :class:`Record`.
-    """
-    inject = inject or {}
-
-    def add(key: tuple[int, str], t: Tensor) -> Tensor:
-        return t + inject[key] if key in inject else t
-
-    lipschitz = model.config.family == "lipschitz"
-    X = model.embed(x)  # (B, N, D)
-    rec = Record([X], [], [])
-    for k, block in enumerate(model.blocks):
-        p = add((k, "norm1"), block.norm1(X))
-        rec.attn_in.append(p)
-        X = X + add((k, "attn"), _attention(block.attn, p))
-        rec.stream.append(X)
-        q = add((k, "norm2"), block.norm2(X))
-        z = block.mlp.fc1(q)  # (B, N, m)
-        rec.act_in.append(z)
-        if lipschitz:
-            u = add((k, "act"), torch.relu(z))
-            X = q - 2.0 * (u / block.mlp.T()) @ block.mlp.fc1.weight
-        else:
-            X = X + block.mlp.fc2(add((k, "act"), F.gelu(z)))
-        rec.stream.append(X)
-    cls = add((-1, "norm"), model.norm(X[:, :1])[:, 0])  # (B, D): per-token norm
-    return model.head(cls), rec
-
-
-def _site_gradients(model: ViT, x: Tensor, y: Tensor) -> tuple[Tensor, Inject, Record]:
-    """Gradients of every margin ``f_j − f_y`` w.r.t. the image and each site.
-
-    One backward pass for all samples and classes: each sample is repeated
-    once per class. Returns the image gradients ``(B, K, C, S, S)``, the site
-    gradients ``(B, K, *site shape)`` and the clean record.
-    """
-    B = x.shape[0]
-    K = model.config.num_classes
-    with torch.no_grad():
-        _, clean = forward(model, x)
-    shapes = {}
-    for k in range(len(model.blocks)):
-        shapes[(k, "norm1")] = shapes[(k, "attn")] = shapes[(k, "norm2")] = (
-            clean.attn_in[k].shape[1:]
-        )
-        shapes[(k, "act")] = clean.act_in[k].shape[1:]
-    shapes[(-1, "norm")] = clean.stream[-1].shape[2:]
-    inject = {
-        key: torch.zeros(
-            (B * K, *s), dtype=x.dtype, device=x.device, requires_grad=True
-        )
-        for key, s in shapes.items()
-    }
-    xr = x.repeat_interleave(K, dim=0).requires_grad_(True)  # (B·K, C, S, S)
-    with torch.enable_grad():
-        logits, _ = forward(model, xr, inject)
-        L = logits.reshape(B, K, K)  # copy (b, j) differentiates f_j − f_y
-        j = torch.arange(K, device=x.device)
-        total = (
-            L[:, j, j]
-            - L[:, j, :].gather(2, y[:, None, None].expand(B, K, 1)).squeeze(2)
-        ).sum()
-        grads = torch.autograd.grad(total, [xr, *inject.values()])
-    g_x = grads[0].reshape(B, K, *x.shape[1:])
-    g_sites = {
-        key: g.reshape(B, K, *g.shape[1:])
-        for key, g in zip(inject, grads[1:], strict=True)
-    }
-    return g_x, g_sites, clean
-
-
-def _gram_norm(T: Tensor) -> Tensor:
-    """``‖J‖`` from tangents ``T = J E`` ``(..., n, M)`` (``E`` the identity): exact,
-    ``√λ_max(T Tᵀ)`` by eigvalsh, rounded up by a relative ``1e-12``."""
-    gram = T @ T.transpose(-1, -2)  # (..., n, n) = Jᵀ J
-    lam = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
-    return (lam * (1 + 1e-12) + 1e-300).sqrt()
-
-
-@dataclass(frozen=True)
-class JacobianNorms:
-    """Exact norms of the clean point's Jacobians from the image, ``J_{u←x}``.
-
-    Attributes:
-        stream: whole stream states ``(B, 2K+1)``.
-        stream_token: every token of every stream state ``(B, 2K+1, N)``.
-        attn_in: the attention inputs ``(B, K)`` (blocks).
-        act_in: per block ``(B, N, m)``: ``‖∇_x z_{t,i}‖`` of each pre-activation.
-        cls: the last stream state's class token ``(B,)``.
-        act_tangents: per block ``(B, n, N·m)``: ``J_{z←x}`` itself, for
-            :meth:`act_norm`.
-    """
-
-    stream: Tensor
-    stream_token: Tensor
-    attn_in: Tensor
-    act_in: list[Tensor]
-    cls: Tensor
-    act_tangents: list[Tensor]
-
-    def act_norm(self, k: int, units: Tensor) -> Tensor:
-        """Exact ``‖J_{z_U←x}‖`` for block ``k``'s pre-activations in ``units``
-        (a ``(B, N, m)`` mask), ``(B,)``."""
-        T = self.act_tangents[k] * units.flatten(1)[:, None]  # (B, n, N·m)
-        return _gram_norm(T)
-
-
-def jacobian_norms(model: ViT, x: Tensor) -> JacobianNorms:
-    """:class:`JacobianNorms` by forward-mode AD with the image's ``n`` basis
-    tangents (``n = C·S·S``) and ``n × n`` Gram matrices (eigvalsh): exact up to
-    float rounding, rounded up."""
-    B, n = x.shape[0], x[0].numel()
-    xr = x.repeat_interleave(n, dim=0)  # (B·n, C, S, S)
-    E = torch.eye(n, dtype=x.dtype, device=x.device).repeat(B, 1).reshape(xr.shape)
-
-    def tangent(t: Tensor) -> Tensor:  # (B·n, ...) dual → (B, n, ...)
-        T = fwAD.unpack_dual(t).tangent
-        return T.reshape(B, n, *T.shape[1:])
-
-    with torch.no_grad(), fwAD.dual_level():
-        _, rec = forward(model, fwAD.make_dual(xr, E))
-        stream = [tangent(s) for s in rec.stream]  # (B, n, N, D) each
-        attn_in = [tangent(p) for p in rec.attn_in]
-        act_T = [tangent(z) for z in rec.act_in]  # (B, n, N, m) each
-    act_in = [torch.linalg.vector_norm(T, dim=1) for T in act_T]
-    return JacobianNorms(
-        stream=torch.stack([_gram_norm(T.flatten(2)) for T in stream], dim=1),
-        stream_token=torch.stack(
-            [_gram_norm(T.transpose(1, 2)) for T in stream], dim=1
-        ),
-        attn_in=torch.stack([_gram_norm(T.flatten(2)) for T in attn_in], dim=1),
-        act_in=[(a * (1 + 1e-12)) for a in act_in],
-        cls=_gram_norm(stream[-1][:, :, 0]),
-        act_tangents=[T.flatten(2) for T in act_T],
-    )
-
 
 # --------------------------------------------------------------------------
 # Per-block remainder terms.
@@ -277,18 +94,33 @@ def jacobian_norms(model: ViT, x: Tensor) -> JacobianNorms:
 class Budget(NamedTuple):
     """Perturbation bounds on a stream state: Frobenius ``all`` ``(B,)``, per
     token ``token`` ``(B, N)``, and ``acc`` ``(B,)``, a bound on the part of the
-    perturbation that is not ``J_{s←x} Γ`` (the propagated remainders)."""
+    perturbation that is neither ``J_{s←x} Γ`` nor the ReLU symbols' (the other
+    sites' propagated remainders)."""
 
     all: Tensor
     token: Tensor
     acc: Tensor
 
 
-def _budget(e: Tensor, jn: JacobianNorms, m: int, acc: Tensor, chain: Tensor) -> Budget:
-    """Stream state ``m``'s budget: the recursion ``‖J‖ε + acc``, or the chain."""
-    whole = torch.minimum(jn.stream[:, m] * e + acc, chain)
+def _logit_radius(
+    terms, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor, b_p: Tensor
+) -> Tensor:
+    """``‖ΔS_h‖_F ≤ ‖J_{S_h←x}‖ε + (‖M_h(X)‖ rest + ‖A_h‖ β_p²)/√d`` ``(B, H)``
+    (docs/taylor.md §7): the attention input moves by ``J_{p←x}Γ`` plus at most
+    ``rest``, and ``M_h[J_{p←x}Γ]/√d = J_{S_h←x}Γ`` is exact."""
+    quad = terms.m_norm * rest[:, None] + terms.qk_norm * b_p[:, None] ** 2
+    return jn.logits[:, k] * e[:, None] + quad / math.sqrt(terms.head_dim)
+
+
+def _budget(
+    e: Tensor, jn: JacobianNorms, sym: Carried, m: int, acc: Tensor, chain: Tensor
+) -> Budget:
+    """Stream state ``m``'s budget: the recursion ``‖J‖ε + Σ|G|ρ + acc`` (image,
+    ReLU symbols, other remainders), or the chain."""
+    whole = torch.minimum(jn.stream[:, m] * e + sym.stream[m] + acc, chain)
     token = torch.minimum(
-        jn.stream_token[:, m] * e[:, None] + acc[:, None], whole[:, None]
+        jn.stream_token[:, m] * e[:, None] + sym.stream_token[m] + acc[:, None],
+        whole[:, None],
     )
     return Budget(whole, token, acc)
 
@@ -314,14 +146,18 @@ class BlockStep(NamedTuple):
     out: Budget
 
 
-BlockFn = Callable[[Tensor, Budget, Tensor, Tensor], BlockStep]
-"""``(ε, input budget, chain bound of the middle, of the output) ↦ BlockStep``."""
+BlockFn = Callable[[Tensor, Budget, Tensor, Tensor, Carried], BlockStep]
+"""``(ε, input budget, chain bound of the middle, of the output, symbols) ↦
+BlockStep``; a lipschitz block adds its ReLU symbols to the :class:`Carried`."""
 
 
 def _lipschitz_block(
-    block, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor]
+    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor],
+    max_symbols: int,
 ) -> BlockFn:
-    """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7)."""
+    """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7);
+    the ReLU units that can flip become symbols (:mod:`lipvit.certify.symbols`)."""
+    block = model.blocks[k]
     X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
     P1, P2 = block.norm1, block.norm2
     n1, n_mid = _vector_norms(X, P1.mode), _vector_norms(X_mid, "token")
@@ -331,55 +167,48 @@ def _lipschitz_block(
         X_mid, P2.radius, zero, "token", per_token=True
     )
     J_a = attention_jacobian_norm(terms)  # (B,)
-    Wt = block.mlp.fc1.weight  # (m, D) = Wᵀ
-    w_norm = torch.linalg.vector_norm(Wt, dim=1)  # (m,) = ‖w_i‖
-    W_norm = spectral_norm(Wt)
-    out_norm = spectral_norm(2 * Wt.T / block.mlp.T())  # ‖2 W T⁻¹‖
+    w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
     w1 = _token_norms(g["norm1"], P1.mode)  # (B, K, T)
     w_attn = torch.linalg.vector_norm(g["attn"], dim=(-2, -1))  # (B, K)
     w2 = _token_norms(g["norm2"], "token")  # (B, K, N)
-    w_act = g["act"].abs()  # (B, K, N, m)
+    g_act = g["act"].clamp_min(0)  # (B, K, N, m): r ≥ 0, so only g⁺ counts
     m_mid = 2 * k + 1
 
-    def step(e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor) -> BlockStep:
+    def step(
+        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried
+    ) -> BlockStep:
         caps1 = b.token if P1.mode == "token" else b.all[:, None]
         r1 = layer_project_remainder(n1, P1.radius, caps1)
         r1_norm = r1.norm(b.all)
-        # The attention's input moves by J_{p←x}Γ + J_P₁(propagated) + r_P₁.
+        # The attention's input moves by J_{p←x}Γ + (symbols) + J_P₁(acc) + r_P₁.
         L1 = layer_project_local_lipschitz(X, P1.radius, b.all, P1.mode)
-        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + L1_0 * b.acc + r1_norm)
-        r_a = attention_remainder(terms, b_p)
+        rest = sym.attn_in[k] + L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
+        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
+        r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm  # λ = 1 + ‖J_a‖‖J_P₁‖
-        mid = _budget(e, jn, m_mid, acc_mid, chain_mid)
+        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
         r2 = layer_project_remainder(n_mid, P2.radius, mid.token)
-        # Each unit: |Δz_ti| ≤ ‖∇z_ti‖ε + ‖w_i‖(‖J_P₂‖ acc + ρ_P₂,t).
-        prop = L2_0 * mid.acc[:, None] + r2.at(mid.token)  # (B, N)
-        delta = jn.act_in[k] * e[:, None, None] + prop[..., None] * w_norm  # (B, N, m)
+        r2_t = r2.at(mid.token)  # (B, N)
+        # Each unit: |Δz_ti| ≤ ‖∇z_ti‖ε + Σ|G|ρ + ‖w_i‖(‖J_P₂,t‖ acc + ρ_P₂,t).
+        prop = L2_0 * mid.acc[:, None] + r2_t  # (B, N)
+        delta = (
+            jn.act_in[k] * e[:, None, None] + sym.act_in[k] + prop[..., None] * w_norm
+        )  # (B, N, m)
         L2 = layer_project_local_lipschitz(
             X_mid, P2.radius, mid.token.amax(-1), "token", per_token=True
         )
         delta = torch.minimum(delta, (L2 * mid.token)[..., None] * w_norm)
-        # ‖r_relu‖_F over all tokens: per unit, or jointly through the exact
-        # norm of the Jacobian of the units that can flip (docs/taylor.md §5).
-        # (|Δz| − |z|)₊ ≤ s |Δz| with s = (1 − |z|/δ)₊ (convexity, |Δz| ≤ δ).
-        flip = (1 - z.abs() / delta.clamp_min(1e-300)).clamp_min(0)  # (B, N, m)
-        # The propagated part is jointly ≤ ‖W‖(max_t ‖J_P₂,t‖ acc + ‖r_P₂‖_F).
-        r2_all = torch.linalg.vector_norm(r2.at(mid.token), dim=-1)
-        joint = jn.act_norm(k, flip) * e + W_norm * (L2_0.amax(-1) * mid.acc + r2_all)
-        per_unit = torch.linalg.vector_norm(relu_remainder(z, delta), dim=-1)
-        mlp_sub = out_norm * torch.minimum(per_unit, joint) + r2_all
-        out = _budget(e, jn, m_mid + 1, mid.acc + mlp_sub, chain_out)  # λ_SLL ≤ 1
+        rho = flip_range(z, delta)  # (B, N, m): r_i ∈ [0, ρ_i] (docs/taylor.md §5)
+        tail = propagate(model, clean, k, rho, sym, max_symbols)
+        # P₂'s remainder passes the linearised SLL (norm ≤ 1); the ReLU's are
+        # symbols, but for the tail (bounded in norm).
+        acc_out = mid.acc + torch.linalg.vector_norm(r2_t, dim=-1) + tail
+        out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out)
         sites = {
             "norm1": r1.weighted(w1, b.all, caps1),
             "attn": w_attn * r_a[:, None],
             "norm2": r2.weighted(w2, mid.all, mid.token),
-            "act": torch.minimum(
-                relu_remainder(z, delta, w_act).sum(-1),
-                torch.linalg.vector_norm(
-                    (w_act * (flip > 0)[:, None]).flatten(2), dim=-1
-                )
-                * joint[:, None],
-            ),
+            "act": (g_act * rho[:, None]).sum((-2, -1)),
         }
         return BlockStep(sites, mid, out)
 
@@ -413,9 +242,11 @@ def _layernorm_weights(g: Tensor, ln) -> Tensor:
 
 
 def _standard_block(
-    block, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor]
+    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor]
 ) -> BlockFn:
-    """Sites of ``X + attn(LN₁(X))``, ``X+mlp(LN₂(X))``, docs/taylor.md §4, §6, §7."""
+    """Sites of ``X + attn(LN₁(X))``, ``X+mlp(LN₂(X))``, docs/taylor.md §4, §6, §7.
+    No symbols: every GELU unit has a remainder, bounded per unit."""
+    block = model.blocks[k]
     X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
     ln1, ln2 = block.norm1, block.norm2
     zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
@@ -432,16 +263,19 @@ def _standard_block(
     w_act = g["act"].abs()  # (B, K, N, m)
     m_mid = 2 * k + 1
 
-    def step(e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor) -> BlockStep:
+    def step(
+        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried
+    ) -> BlockStep:
         r1 = _layernorm_remainder(ln1, X, b.token)
         r1_norm = torch.minimum(
             r1.norm(b.all), torch.linalg.vector_norm(r1.at(b.token), dim=-1)
         )
         L1 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.all)
-        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + L1_0 * b.acc + r1_norm)
-        r_a = attention_remainder(terms, b_p)
+        rest = L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
+        b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
+        r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm
-        mid = _budget(e, jn, m_mid, acc_mid, chain_mid)
+        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)
         prop = L2_0 * mid.acc[:, None] + r2.at(mid.token)  # (B, N)
         delta = jn.act_in[k] * e[:, None, None] + prop[..., None] * w1_norm  # (B, N, m)
@@ -457,6 +291,7 @@ def _standard_block(
         out = _budget(
             e,
             jn,
+            sym,
             m_mid + 1,
             lam * mid.acc + torch.linalg.vector_norm(R_t, dim=-1),
             chain_out,
@@ -526,17 +361,30 @@ class TaylorBound:
     def radius(self, rtol: float = 1e-3, tol: float = 0.0, max_radius: float = 10.0,
                certified_at=()) -> Tensor:
         """Certified radius by bisection (the sound, lower end), ``(B,)``; the
-        arguments as in :func:`lipvit.certify.certification.bisect_radius`."""
+        arguments as in :func:`lipvit.certify.certification.bisect_radius`.
+
+        The search runs between LoFAST's radius (``√2 δ_out`` caps every drop,
+        so the point is certified there) and the larger of it and the
+        first-order limit (the bound is at least ``‖c_jᵀJ‖ε``, so no larger ε
+        passes the Taylor part), capped at ``max_radius``.
+        """
         positive = (self.margins > 0).all(dim=1)
+        lofast = certified_radius(self.margins.amin(1), self.delta_out, rtol=rtol,
+                                  tol=tol, max_radius=max_radius)
+        hi = torch.maximum(self.first_order_radius(), lofast) * (1 + 1e-6)
         return bisect_radius(self.certified, positive, dtype=self.margins.dtype,
-                             rtol=rtol, tol=tol, max_radius=max_radius,
-                             certified_at=certified_at)
+                             rtol=rtol, tol=tol, certified_at=certified_at,
+                             bracket=(lofast, hi.clamp(max=max_radius)))
 
 
-def taylor_bound(model: ViT, x: Tensor, y: Tensor) -> TaylorBound:
+def taylor_bound(
+    model: ViT, x: Tensor, y: Tensor, max_symbols: int = 256
+) -> TaylorBound:
     """The taylor certificate of ``model`` at images ``x`` ``(B, C, S, S)``, labels y.
 
     Works on a float64 copy of the model when it is not float64 already.
+    ``max_symbols``: ReLU symbols per sample and block of a lipschitz model
+    (:func:`lipvit.certify.symbols.propagate`; more is tighter and slower).
 
     Raises:
         UnsupportedModelError: a layer the method cannot bound (one-line reason).
@@ -549,7 +397,7 @@ def taylor_bound(model: ViT, x: Tensor, y: Tensor) -> TaylorBound:
     y = y.to(x.device)
     chain = network_bound(model, x, "lofast")
     with torch.no_grad():
-        g_x, g_sites, clean = _site_gradients(model, x, y)
+        g_x, g_sites, clean = site_gradients(model, x, y)
         jn = jacobian_norms(model, x)
         logits, _ = forward(model, x)
         B, K = logits.shape
@@ -559,27 +407,28 @@ def taylor_bound(model: ViT, x: Tensor, y: Tensor) -> TaylorBound:
         margins = torch.where(wrong, margins, torch.full_like(margins, math.inf))
         grad_norm = torch.linalg.vector_norm(g_x.flatten(2), dim=-1)  # (B, K)
         make = (
-            _lipschitz_block if model.config.family == "lipschitz" else _standard_block
+            partial(_lipschitz_block, max_symbols=max_symbols)
+            if model.config.family == "lipschitz"
+            else _standard_block
         )
         blocks = [
-            make(block, k, clean, terms, jn, {s: g_sites[(k, s)] for s in SITES})
-            for k, (block, terms) in enumerate(
-                zip(model.blocks, chain.attention_terms, strict=True)
-            )
+            make(model, k, clean, terms, jn, {s: g_sites[(k, s)] for s in SITES})
+            for k, terms in enumerate(chain.attention_terms)
         ]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
 
     def walk(e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
         """Site shares, stream budgets and the class token's budget at ε ``(B,)``."""
         trace = chain.trace(e)  # (B, steps+1, 2): rows 2.. are the stream states
-        budget = _budget(e, jn, 0, torch.zeros_like(e), trace[:, 2, 0])
+        sym = Carried.zeros(clean)
+        budget = _budget(e, jn, sym, 0, torch.zeros_like(e), trace[:, 2, 0])
         budgets, sites = [budget], {}
         for k, step in enumerate(blocks):
-            res = step(e, budget, trace[:, 3 + 2 * k, 0], trace[:, 4 + 2 * k, 0])
+            res = step(e, budget, trace[:, 3 + 2 * k, 0], trace[:, 4 + 2 * k, 0], sym)
             budgets += [res.mid, res.out]
             budget = res.out
             sites.update({f"block{k}.{n}": v for n, v in res.sites.items()})
-        cls = torch.minimum(jn.cls * e + budget.acc, budget.token[:, 0])
+        cls = torch.minimum(jn.cls * e + sym.cls + budget.acc, budget.token[:, 0])
         cls = torch.minimum(cls, trace[:, 2 + 2 * len(blocks), 1])
         sites["norm"] = final(cls)
         return (

@@ -344,3 +344,24 @@ def test_cli_certify_taylor(ckpt, tmp_path):
         assert s["radii"]["taylor"] >= 0
         if s["radii"]["taylor"] > 0.01:
             assert s["certified"]["taylor@0.01"]
+
+
+@pytest.mark.parametrize("family", ["lipschitz", "standard"])
+def test_logit_jacobian_norms_are_exact(family):
+    from lipvit.certify.sites import jacobian_norms
+
+    model = _model(family, 0)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(3))
+    jn = jacobian_norms(model, x)
+    for k, block in enumerate(model.blocks):
+        W = block.attn.head_weights()
+
+        def logits(v, k=k, W=W):  # (H, N, N) of one image
+            p = forward(model, v[None])[1].attn_in[k][0]
+            S = torch.einsum("nd,hde,hme,km->hnk", p, W.W_q, W.W_k, p)
+            return S / math.sqrt(W.W_q.shape[-1])
+
+        for b in range(2):
+            J = torch.func.jacrev(logits)(x[b])  # (H, N, N, 1, 8, 8)
+            exact = torch.linalg.matrix_norm(J.flatten(1, 2).flatten(2), ord=2)  # (H,)
+            assert torch.allclose(jn.logits[b, k], exact, rtol=1e-9)

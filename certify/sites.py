@@ -1,0 +1,243 @@
+"""The network as linear maps and nonlinear *sites* at the clean point (docs/taylor.md).
+
+A block's sites are the norm before attention (``norm1``), the attention
+(``attn``), the norm before the MLP (``norm2``) and the MLP's activation
+(``act``); the final norm is the site ``(-1, "norm")``. :func:`forward` runs the
+model with tensors added at the sites' outputs (zero: the model itself), which
+gives, by autograd, the gradient of every class margin with respect to each
+site (:func:`site_gradients`), and by forward-mode AD the **exact** norms of the
+Jacobians from the image to every site input (:func:`jacobian_norms`).
+:func:`forward_blocks` starts at any block, for perturbations injected inside
+the network (:mod:`lipvit.certify.symbols`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from lipvit.certify.attention import attention, bound_weights
+from torch import Tensor
+
+from lipvit.errors import UnsupportedModelError
+from lipvit.layers import SLL, LayerProject
+from lipvit.model import MLP, ViT
+
+SITES = ("norm1", "attn", "norm2", "act")
+"""Nonlinear sites of a block, in order; the final norm is the site ``"norm"``."""
+
+Inject = dict[tuple[int, str], Tensor]
+
+
+# --------------------------------------------------------------------------
+# The forward pass with injections at the sites.
+# --------------------------------------------------------------------------
+
+
+def check_supported(model: ViT) -> None:
+    """Refuse, with a one-line reason, a model the taylor method cannot bound."""
+    if not isinstance(model, ViT):
+        raise UnsupportedModelError(
+            f"taylor needs a lipvit ViT, got {type(model).__name__}"
+        )
+    lipschitz = model.config.family == "lipschitz"
+    for k, block in enumerate(model.blocks):
+        bound_weights(block.attn)  # refuses query/key biases
+        norms = (block.norm1, block.norm2)
+        kinds = (LayerProject, LayerProject) if lipschitz else (torch.nn.LayerNorm,) * 2
+        if not all(isinstance(n, t) for n, t in zip(norms, kinds, strict=True)):
+            raise UnsupportedModelError(f"block {k}: unsupported normalisation layers")
+        if lipschitz and block.norm2.mode != "token":
+            raise UnsupportedModelError(f"block {k}: norm2 must project per token")
+        if not isinstance(block.mlp, SLL if lipschitz else MLP):
+            raise UnsupportedModelError(f"block {k}: unsupported feed-forward layer")
+    if lipschitz and model.norm.mode != "token":
+        raise UnsupportedModelError("the final LayerProject must project per token")
+
+
+def _attention(attn, p: Tensor) -> Tensor:
+    """``attn(p)`` with an explicit softmax (LoFAST eq. 6, ``H = 0``, plus biases)."""
+    W = attn.head_weights()
+    b = attn.head_biases()
+    out = attention(p, *W, residual=False)  # (B, N, D)
+    if b.b_v is not None:
+        out = out + torch.einsum("hd,hdE->E", b.b_v, W.W_o)
+    return out + b.b_o if b.b_o is not None else out
+
+
+@dataclass
+class Record:
+    """Clean (or dual) values of a forward pass: residual stream and site inputs."""
+
+    stream: list[Tensor]  # 2K + 1 tensors (B, N, D): s_0, s_1, …, s_{2K}
+    attn_in: list[Tensor]  # (B, N, D): norm1's output, the attention's input
+    act_in: list[Tensor]  # (B, N, m): the activation's pre-activations
+
+
+def forward(
+    model: ViT, x: Tensor, inject: Inject | None = None
+) -> tuple[Tensor, Record]:
+    """``model(x)`` with zero (or any) tensors added at every site's output.
+
+    ``inject[(k, site)]`` is added to block ``k``'s ``site`` output and
+    ``inject[(-1, "norm")]`` to the final norm's class-token output. Equal to
+    ``model(x)`` without injections (tested). Returns logits ``(B, classes)``
+    and a :class:`Record`.
+    """
+    return forward_blocks(model, model.embed(x), 0, inject)
+
+
+def forward_blocks(
+    model: ViT, X: Tensor, first: int, inject: Inject | None = None
+) -> tuple[Tensor, Record]:
+    """Blocks ``first, first+1, …`` of ``model``, the final norm and the head, on the
+    stream state ``X`` ``(B, N, D)`` entering block ``first``; as :func:`forward`
+    otherwise (the :class:`Record` starts at ``X``)."""
+    inject = inject or {}
+
+    def add(key: tuple[int, str], t: Tensor) -> Tensor:
+        return t + inject[key] if key in inject else t
+
+    lipschitz = model.config.family == "lipschitz"
+    rec = Record([X], [], [])
+    for k in range(first, len(model.blocks)):
+        block = model.blocks[k]
+        p = add((k, "norm1"), block.norm1(X))
+        rec.attn_in.append(p)
+        X = X + add((k, "attn"), _attention(block.attn, p))
+        rec.stream.append(X)
+        q = add((k, "norm2"), block.norm2(X))
+        z = block.mlp.fc1(q)  # (B, N, m)
+        rec.act_in.append(z)
+        if lipschitz:
+            u = add((k, "act"), torch.relu(z))
+            X = q - 2.0 * (u / block.mlp.T()) @ block.mlp.fc1.weight
+        else:
+            X = X + block.mlp.fc2(add((k, "act"), F.gelu(z)))
+        rec.stream.append(X)
+    cls = add((-1, "norm"), model.norm(X[:, :1])[:, 0])  # (B, D): per-token norm
+    return model.head(cls), rec
+
+
+def site_gradients(model: ViT, x: Tensor, y: Tensor) -> tuple[Tensor, Inject, Record]:
+    """Gradients of every margin ``f_j − f_y`` w.r.t. the image and each site.
+
+    One backward pass for all samples and classes: each sample is repeated
+    once per class. Returns the image gradients ``(B, K, C, S, S)``, the site
+    gradients ``(B, K, *site shape)`` and the clean record.
+    """
+    B = x.shape[0]
+    K = model.config.num_classes
+    with torch.no_grad():
+        _, clean = forward(model, x)
+    shapes = {}
+    for k in range(len(model.blocks)):
+        shapes[(k, "norm1")] = shapes[(k, "attn")] = shapes[(k, "norm2")] = (
+            clean.attn_in[k].shape[1:]
+        )
+        shapes[(k, "act")] = clean.act_in[k].shape[1:]
+    shapes[(-1, "norm")] = clean.stream[-1].shape[2:]
+    inject = {
+        key: torch.zeros(
+            (B * K, *s), dtype=x.dtype, device=x.device, requires_grad=True
+        )
+        for key, s in shapes.items()
+    }
+    xr = x.repeat_interleave(K, dim=0).requires_grad_(True)  # (B·K, C, S, S)
+    with torch.enable_grad():
+        logits, _ = forward(model, xr, inject)
+        L = logits.reshape(B, K, K)  # copy (b, j) differentiates f_j − f_y
+        j = torch.arange(K, device=x.device)
+        total = (
+            L[:, j, j]
+            - L[:, j, :].gather(2, y[:, None, None].expand(B, K, 1)).squeeze(2)
+        ).sum()
+        grads = torch.autograd.grad(total, [xr, *inject.values()])
+    g_x = grads[0].reshape(B, K, *x.shape[1:])
+    g_sites = {
+        key: g.reshape(B, K, *g.shape[1:])
+        for key, g in zip(inject, grads[1:], strict=True)
+    }
+    return g_x, g_sites, clean
+
+
+def gram_norm(T: Tensor) -> Tensor:
+    """``‖J‖`` from tangents ``T = J E`` ``(..., n, M)`` (``E`` the identity): exact,
+    ``√λ_max(T Tᵀ)`` by eigvalsh, rounded up by a relative ``1e-12``."""
+    gram = T @ T.transpose(-1, -2)  # (..., n, n) = Jᵀ J
+    lam = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
+    return (lam * (1 + 1e-12) + 1e-300).sqrt()
+
+
+@dataclass(frozen=True)
+class JacobianNorms:
+    """Exact norms of the clean point's Jacobians from the image, ``J_{u←x}``.
+
+    Attributes:
+        stream: whole stream states ``(B, 2K+1)``.
+        stream_token: every token of every stream state ``(B, 2K+1, N)``.
+        attn_in: the attention inputs ``(B, K)`` (blocks).
+        act_in: per block ``(B, N, m)``: ``‖∇_x z_{t,i}‖`` of each pre-activation.
+        cls: the last stream state's class token ``(B,)``.
+        logits: per block and head ``(B, K, H)``: the attention logits
+            ``S_h = p A_h pᵀ/√d`` (``p`` the attention's input).
+    """
+
+    stream: Tensor
+    stream_token: Tensor
+    attn_in: Tensor
+    act_in: list[Tensor]
+    cls: Tensor
+    logits: Tensor
+
+
+def _logit_tangents(attn, p: Tensor, T: Tensor) -> Tensor:
+    """Tangents ``(B, n, H, N, N)`` of the logits ``S_h = (p W_q)(p W_k)ᵀ/√d`` from
+    the attention's input ``p`` ``(B, N, D)`` and its tangents ``T`` ``(B, n, N, D)``
+    (bias-free query and key maps: :func:`check_supported`)."""
+    W = attn.head_weights()
+    Q = torch.einsum("bnd,hde->bhne", p, W.W_q)  # (B, H, N, d)
+    K = torch.einsum("bnd,hde->bhne", p, W.W_k)
+    dQ = torch.einsum("bjnd,hde->bjhne", T, W.W_q)  # (B, n, H, N, d)
+    dK = torch.einsum("bjnd,hde->bjhne", T, W.W_k)
+    dS = dQ @ K[:, None].transpose(-1, -2) + Q[:, None] @ dK.transpose(-1, -2)
+    return dS / math.sqrt(W.W_q.shape[-1])
+
+
+def jacobian_norms(model: ViT, x: Tensor) -> JacobianNorms:
+    """:class:`JacobianNorms` by forward-mode AD with the image's ``n`` basis
+    tangents (``n = C·S·S``) and ``n × n`` Gram matrices (eigvalsh): exact up to
+    float rounding, rounded up."""
+    B, n = x.shape[0], x[0].numel()
+    xr = x.repeat_interleave(n, dim=0)  # (B·n, C, S, S)
+    E = torch.eye(n, dtype=x.dtype, device=x.device).repeat(B, 1).reshape(xr.shape)
+
+    def tangent(t: Tensor) -> Tensor:  # (B·n, ...) dual → (B, n, ...)
+        T = fwAD.unpack_dual(t).tangent
+        return T.reshape(B, n, *T.shape[1:])
+
+    with torch.no_grad(), fwAD.dual_level():
+        _, rec = forward(model, fwAD.make_dual(xr, E))
+        stream = [tangent(s) for s in rec.stream]  # (B, n, N, D) each
+        attn_in = [tangent(p) for p in rec.attn_in]
+        act_in = [torch.linalg.vector_norm(tangent(z), dim=1) for z in rec.act_in]
+        clean_in = [fwAD.unpack_dual(p).primal[::n] for p in rec.attn_in]  # (B, N, D)
+    logits = [
+        _logit_tangents(block.attn, p, T)
+        for block, p, T in zip(model.blocks, clean_in, attn_in, strict=True)
+    ]  # (B, n, H, N, N) each
+    return JacobianNorms(
+        stream=torch.stack([gram_norm(T.flatten(2)) for T in stream], dim=1),
+        stream_token=torch.stack(
+            [gram_norm(T.transpose(1, 2)) for T in stream], dim=1
+        ),
+        attn_in=torch.stack([gram_norm(T.flatten(2)) for T in attn_in], dim=1),
+        act_in=[(a * (1 + 1e-12)) for a in act_in],
+        cls=gram_norm(stream[-1][:, :, 0]),
+        logits=torch.stack(
+            [gram_norm(L.transpose(1, 2).flatten(3)) for L in logits], dim=1
+        ),
+    )

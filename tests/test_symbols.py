@@ -1,0 +1,173 @@
+"""ReLU flip symbols (lipvit.certify.symbols, docs/taylor.md §5) against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.certification import bisect_radius
+from lipvit.certify.sites import forward
+from lipvit.certify.symbols import Carried, flip_range, propagate
+from lipvit.certify.taylor import taylor_bound
+
+from lipvit.model import ViT
+from tests.conftest import tiny_config
+
+F64 = torch.float64
+
+
+def _model(seed: int, **kw) -> ViT:
+    torch.manual_seed(seed)
+    model = ViT(tiny_config("lipschitz", depth=3, **kw)).double().eval()
+    with torch.no_grad():  # larger weights than at init: a visibly nonlinear model
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model
+
+
+def test_relu_remainder_lies_in_flip_range():
+    z = torch.linspace(-3, 3, 121, dtype=F64)
+    z = torch.cat([z, torch.zeros(1, dtype=F64)])  # relu'(0) = 0 included
+    for d in (1e-3, 0.1, 1.0, 3.0):
+        delta = torch.linspace(-d, d, 201, dtype=F64)
+        Z, Dl = torch.meshgrid(z, delta, indexing="ij")
+        r = (Z + Dl).relu() - Z.relu() - (Z > 0) * Dl
+        rho = flip_range(z, torch.full_like(z, d))
+        assert torch.all(r >= -1e-15)  # ≥ 0 up to the rounding of r itself
+        assert torch.all(r.amax(1) <= rho + 1e-15)
+        assert torch.all((rho > 0) == (z.abs() < d * (1 + 1e-12)))
+
+
+def _dense(model, x, k):
+    """Dense Jacobians of every later site input w.r.t. block ``k``'s activation
+    output, ``(B, *out, N, m)`` each (one sample's outputs depend on its own
+    injection only)."""
+    with torch.no_grad():
+        _, clean = forward(model, x)
+    shape = clean.act_in[k].shape
+
+    def outputs(inj):
+        _, rec = forward(model, x, {(k, "act"): inj})
+        return (
+            rec.stream[2 * k + 2 :],
+            rec.attn_in[k + 1 :],
+            rec.act_in[k + 1 :],
+        )
+
+    J = torch.func.jacrev(outputs)(torch.zeros(shape, dtype=F64))
+    B = shape[0]
+    # (B, *out, B, N, m) → (B, *out, N, m): sample b's outputs, sample b's injection
+    return [
+        [torch.stack([t[b, ..., b, :, :] for b in range(B)]) for t in group]
+        for group in J
+    ], clean
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("k", [0, 1])
+def test_symbols_match_dense_jacobians(seed, k):
+    model = _model(seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=g)
+    (streams, attn_in, act_in), clean = _dense(model, x, k)
+    z = clean.act_in[k]
+    rho = torch.rand(z.shape, dtype=F64, generator=g) * (
+        torch.rand(z.shape, generator=g) < 0.3
+    )
+    sym = Carried.zeros(clean)
+    tail = propagate(model, clean, k, rho, sym, max_symbols=10**6, chunk=7)
+    assert torch.all(tail == 0)
+    flat = rho.flatten(1)  # (B, N·m)
+    for off, G in enumerate(streams):  # (B, N, D, N, m)
+        m = 2 * k + 2 + off
+        Gf = G.flatten(-2)  # (B, N, D, N·m)
+        per_token = (Gf.norm(dim=2) * flat[:, None]).sum(-1)  # Σ_i ‖G_{t,i}‖ρ_i
+        whole = (Gf.flatten(1, 2).norm(dim=1) * flat).sum(-1)
+        assert torch.allclose(sym.stream_token[m], per_token, rtol=1e-10, atol=1e-14)
+        assert torch.allclose(sym.stream[m], whole, rtol=1e-10, atol=1e-14)
+    cls = (streams[-1][:, 0].flatten(-2).norm(dim=1) * flat).sum(-1)
+    assert torch.allclose(sym.cls, cls, rtol=1e-10, atol=1e-14)
+    for off, G in enumerate(attn_in):
+        whole = (G.flatten(-2).flatten(1, 2).norm(dim=1) * flat).sum(-1)
+        assert torch.allclose(sym.attn_in[k + 1 + off], whole, rtol=1e-10, atol=1e-14)
+    for off, G in enumerate(act_in):  # (B, N, m, N, m)
+        interval = (G.flatten(-2).abs() * flat[:, None, None]).sum(-1)
+        assert torch.allclose(sym.act_in[k + 1 + off], interval, rtol=1e-10, atol=1e-14)
+    for m in range(2 * k + 2):  # nothing before the block changes
+        assert torch.all(sym.stream[m] == 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tail_bound_covers_every_vertex(seed):
+    model = _model(seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(1, 1, 8, 8, dtype=F64, generator=g)
+    with torch.no_grad():
+        _, clean = forward(model, x)
+    z = clean.act_in[0]
+    rho = torch.zeros_like(z)
+    units = torch.randperm(z.numel(), generator=g)[:10]
+    rho.view(-1)[units] = torch.rand(10, dtype=F64, generator=g)
+    tail = propagate(model, clean, 0, rho, Carried.zeros(clean), max_symbols=3)
+    sll = model.blocks[0].mlp
+    column = -2.0 * sll.fc1.weight / sll.T()[:, None]  # (m, D)
+    score = rho.flatten() * column.norm(dim=1).repeat(z.shape[1])
+    chosen = score.topk(3).indices
+    rest = [int(u) for u in units if int(u) not in set(chosen.tolist())]
+    N, m = z.shape[1:]
+    worst = 0.0
+    for vertex in itertools.product((0.0, 1.0), repeat=len(rest)):
+        R = torch.zeros(N, column.shape[1], dtype=F64)
+        for on, u in zip(vertex, rest, strict=True):
+            R[u // m] += on * rho.view(-1)[u] * column[u % m]
+        worst = max(worst, float(R.detach().norm()))
+    assert worst <= float(tail[0]) * (1 + 1e-12)
+    assert worst > 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("max_symbols", [1, 256])
+def test_stream_budgets_bound_pgd(seed, max_symbols):
+    model = _model(seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=g)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    tb = taylor_bound(model, x, y, max_symbols=max_symbols)
+    flips = 0
+    for eps in (1e-3, 1e-2, 0.1):
+        _, budgets, cls = tb.walk(torch.full((2,), eps, dtype=F64))
+        for m, budget in enumerate(budgets):
+            def stream(v, m=m):
+                return forward(model, v)[1].stream[m]
+            found = pgd_deviation(stream, x, eps, steps=30, restarts=2)
+            assert torch.all(found <= budget.all * (1 + 1e-9)), (eps, m)
+        last = pgd_deviation(
+            lambda v: forward(model, v)[1].stream[-1][:, 0], x, eps, steps=30
+        )
+        assert torch.all(last <= cls * (1 + 1e-9))
+        with torch.no_grad():
+            z = forward(model, x)[1].act_in[-1]
+        flips += int((z.abs() < 0.05).sum())
+    assert flips > 0  # some units are near their kink: symbols are exercised
+
+
+def test_bisect_radius_bracket_closed_form():
+    # certified iff ε < 0.3 (sample 0) or ε < 0.02 (sample 1); bracket lows are
+    # checked: sample 1's 0.05 is not certified and is dropped to 0.
+    truth = torch.tensor([0.3, 0.02], dtype=F64)
+    probes = []
+
+    def certified(e):
+        probes.append(e.clone())
+        return e < truth
+
+    r = bisect_radius(
+        certified, torch.tensor([True, True]), rtol=1e-4,
+        bracket=(torch.tensor([0.01, 0.05], dtype=F64),
+                 torch.tensor([1.0, 1.0], dtype=F64)),
+    )
+    assert torch.all(r < truth) and torch.all(r > truth * (1 - 2e-4))
+    assert all(float(p.max()) <= 1.0 for p in probes)
