@@ -16,8 +16,11 @@ unit injection at the SLL's activation, i.e. the column ``−2 W T⁻¹ e_i`` at
 token ``t`` entering the stream — is computed exactly by forward-mode AD, one
 tangent per symbol. Hence, with the exact per-coefficient interval bound,
 
-* a later pre-activation: ``|Σ_i G_{z,i} r_i| ≤ Σ_i |G_{z,i}| ρ_i``;
-* a later stream state, whole or one token: ``‖Σ_i G_{s,i} r_i‖ ≤ Σ_i ‖G_{s,i}‖ ρ_i``;
+* a later pre-activation: ``Σ_i G_{z,i} r_i ∈ [−Σ_i G⁻_{z,i} ρ_i, Σ_i G⁺_{z,i} ρ_i]``
+  (exact over the box; ``G⁺``, ``G⁻`` the positive and negative parts);
+* a later stream state, whole or one token, with ``r_i = ρ_i/2 + v_i``:
+  ``‖Σ_i G_{s,i} r_i‖ ≤ ‖Σ_i G_{s,i} ρ_i/2‖ + Σ_i ‖G_{s,i}‖ ρ_i/2`` (an exact
+  centre plus a triangle sum, never above ``Σ_i ‖G_{s,i}‖ ρ_i``);
 * a class margin with site gradient ``g``: ``Σ_i g_i r_i ≤ Σ_i g_i⁺ ρ_i``.
 
 :class:`Carried` accumulates the first two for every later site input, in
@@ -41,42 +44,80 @@ from lipvit.spectral import spectral_norm
 
 @dataclass
 class Carried:
-    """``Σ_i |G_{u,i}| ρ_i`` over the symbols so far, at every site input ``u``.
+    """What the symbols so far do to every later site input (module docstring).
+
+    With ``r_i = ρ_i/2 + v_i``, ``|v_i| ≤ ρ_i/2``, a site input moves by the
+    exact *centre* ``Σ_i G_{u,i} ρ_i/2`` plus at most ``Σ_i ‖G_{u,i}‖ ρ_i/2``
+    (never more than the plain triangle sum ``Σ_i ‖G_{u,i}‖ ρ_i``); a scalar
+    pre-activation moves by ``Σ_i G_{z,i} r_i ∈ [−Σ_i G⁻ρ_i, Σ_i G⁺ρ_i]``
+    (exact over the box).
 
     Attributes:
-        stream: per stream state ``s_0 … s_{2K}``, ``(B,)`` (Frobenius).
-        stream_token: per stream state, ``(B, N)`` (each token).
-        attn_in: per block, ``(B,)``: the attention's input (Frobenius).
-        act_in: per block, ``(B, N, m)``: each pre-activation.
-        cls: ``(B,)``: the last stream state's class token.
+        centre: per stream state ``s_0 … s_{2K}``, ``(B, N, D)``.
+        half: per stream state, ``(B,)``: ``Σ_i ‖G_{s,i}‖ ρ_i/2`` (Frobenius).
+        half_token: per stream state, ``(B, N)``: the same per token.
+        attn_centre: per block, ``(B, N, D)``: at the attention's input.
+        attn_half: per block, ``(B,)``.
+        up, down: per block, ``(B, N, m)``: ``Σ_i G⁺ρ_i`` and ``Σ_i G⁻ρ_i`` at
+            each pre-activation.
+        cls_half: ``(B,)``: ``Σ_i ‖G_{s_{2K},0,i}‖ ρ_i/2`` (the class token).
     """
 
-    stream: list[Tensor]
-    stream_token: list[Tensor]
-    attn_in: list[Tensor]
-    act_in: list[Tensor]
-    cls: Tensor
+    centre: list[Tensor]
+    half: list[Tensor]
+    half_token: list[Tensor]
+    attn_centre: list[Tensor]
+    attn_half: list[Tensor]
+    up: list[Tensor]
+    down: list[Tensor]
+    cls_half: Tensor
 
     @classmethod
     def zeros(cls, clean: Record) -> Carried:
         """No symbols yet, shaped like the clean :class:`Record` of a batch."""
         X = clean.stream[0]  # (B, N, D)
         B, N = X.shape[:2]
-        z = X.new_zeros(B)
         return cls(
-            stream=[z.clone() for _ in clean.stream],
-            stream_token=[X.new_zeros(B, N) for _ in clean.stream],
-            attn_in=[z.clone() for _ in clean.attn_in],
-            act_in=[torch.zeros_like(a) for a in clean.act_in],
-            cls=z.clone(),
+            centre=[torch.zeros_like(s) for s in clean.stream],
+            half=[X.new_zeros(B) for _ in clean.stream],
+            half_token=[X.new_zeros(B, N) for _ in clean.stream],
+            attn_centre=[torch.zeros_like(p) for p in clean.attn_in],
+            attn_half=[X.new_zeros(B) for _ in clean.attn_in],
+            up=[torch.zeros_like(a) for a in clean.act_in],
+            down=[torch.zeros_like(a) for a in clean.act_in],
+            cls_half=X.new_zeros(B),
         )
+
+    def stream(self, m: int) -> Tensor:
+        """``(B,)``: bound on the symbols' change of stream state ``m`` (Frobenius)."""
+        return _norm(self.centre[m].flatten(1)) + self.half[m]
+
+    def stream_token(self, m: int) -> Tensor:
+        """``(B, N)``: the same per token."""
+        return _norm(self.centre[m]) + self.half_token[m]
+
+    def attn_in(self, k: int) -> Tensor:
+        """``(B,)``: the same at block ``k``'s attention input."""
+        return _norm(self.attn_centre[k].flatten(1)) + self.attn_half[k]
+
+    def cls(self) -> Tensor:
+        """``(B,)``: the same at the last stream state's class token."""
+        return _norm(self.centre[-1][:, 0]) + self.cls_half
+
+
+def _norm(t: Tensor) -> Tensor:
+    """Euclidean norm over the last dimension, rounded up by a relative 1e-12."""
+    return torch.linalg.vector_norm(t, dim=-1) * (1 + 1e-12)
 
 
 def flip_range(z: Tensor, delta: Tensor) -> Tensor:
     """``ρ = (δ − |z|)₊``: each unit's remainder lies in ``[0, ρ]`` (module docstring).
 
-    ``δ`` is rounded up by a relative ``1e-12`` so that a unit whose budget
-    reaches zero within float rounding counts as one that can flip.
+    ``δ`` bounds the pre-activation's move *towards* zero (``−Δz`` where
+    ``z > 0``, ``Δz`` where ``z ≤ 0``): the remainder is ``(−Δz − z)₊`` or
+    ``(Δz − |z|)₊`` and is 0 for a move away. It is rounded up by a relative
+    ``1e-12`` so that a unit whose budget reaches zero within float rounding
+    counts as one that can flip.
     """
     return (delta * (1 + 1e-12) - z.abs()).clamp_min(0)
 
@@ -132,16 +173,16 @@ def propagate(
             stream = [fwAD.unpack_dual(s).tangent for s in rec.stream]
             attn_in = [fwAD.unpack_dual(p).tangent for p in rec.attn_in]
             act_in = [fwAD.unpack_dual(a).tangent for a in rec.act_in]
+        h = r / 2  # (S,): ρ_i/2
         for m, S in enumerate(stream, start=first):
-            tok = torch.linalg.vector_norm(S, dim=-1) * r[:, None]  # (S, N)
-            carried.stream_token[m].index_add_(0, b, tok)
-            carried.stream[m].index_add_(0, b, torch.linalg.vector_norm(
-                S.flatten(1), dim=1) * r)
+            carried.centre[m].index_add_(0, b, S * h[:, None, None])
+            carried.half_token[m].index_add_(0, b, _norm(S) * h[:, None])
+            carried.half[m].index_add_(0, b, _norm(S.flatten(1)) * h)
         for kk, P in enumerate(attn_in, start=k + 1):
-            carried.attn_in[kk].index_add_(0, b, torch.linalg.vector_norm(
-                P.flatten(1), dim=1) * r)
+            carried.attn_centre[kk].index_add_(0, b, P * h[:, None, None])
+            carried.attn_half[kk].index_add_(0, b, _norm(P.flatten(1)) * h)
         for kk, Z in enumerate(act_in, start=k + 1):
-            carried.act_in[kk].index_add_(0, b, Z.abs() * r[:, None, None])
-        cls = torch.linalg.vector_norm(stream[-1][:, 0], dim=-1) * r  # (S,)
-        carried.cls.index_add_(0, b, cls)
+            carried.up[kk].index_add_(0, b, Z.clamp_min(0) * r[:, None, None])
+            carried.down[kk].index_add_(0, b, (-Z).clamp_min(0) * r[:, None, None])
+        carried.cls_half.index_add_(0, b, _norm(stream[-1][:, 0]) * h)
     return torch.linalg.vector_norm(tau, dim=-1)

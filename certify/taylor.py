@@ -117,9 +117,9 @@ def _budget(
 ) -> Budget:
     """Stream state ``m``'s budget: the recursion ``‖J‖ε + Σ|G|ρ + acc`` (image,
     ReLU symbols, other remainders), or the chain."""
-    whole = torch.minimum(jn.stream[:, m] * e + sym.stream[m] + acc, chain)
+    whole = torch.minimum(jn.stream[:, m] * e + sym.stream(m) + acc, chain)
     token = torch.minimum(
-        jn.stream_token[:, m] * e[:, None] + sym.stream_token[m] + acc[:, None],
+        jn.stream_token[:, m] * e[:, None] + sym.stream_token(m) + acc[:, None],
         whole[:, None],
     )
     return Budget(whole, token, acc)
@@ -182,18 +182,17 @@ def _lipschitz_block(
         r1_norm = r1.norm(b.all)
         # The attention's input moves by J_{p←x}Γ + (symbols) + J_P₁(acc) + r_P₁.
         L1 = layer_project_local_lipschitz(X, P1.radius, b.all, P1.mode)
-        rest = sym.attn_in[k] + L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
+        rest = sym.attn_in(k) + L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm  # λ = 1 + ‖J_a‖‖J_P₁‖
         mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
         r2 = layer_project_remainder(n_mid, P2.radius, mid.token)
         r2_t = r2.at(mid.token)  # (B, N)
-        # Each unit: |Δz_ti| ≤ ‖∇z_ti‖ε + Σ|G|ρ + ‖w_i‖(‖J_P₂,t‖ acc + ρ_P₂,t).
+        # Each unit's move towards 0: ≤ ‖∇z_ti‖ε + Σ G^∓ρ + ‖w_i‖(‖J_P₂,t‖acc + ρ_P₂,t).
         prop = L2_0 * mid.acc[:, None] + r2_t  # (B, N)
-        delta = (
-            jn.act_in[k] * e[:, None, None] + sym.act_in[k] + prop[..., None] * w_norm
-        )  # (B, N, m)
+        toward = torch.where(z > 0, sym.down[k], sym.up[k])  # (B, N, m)
+        delta = jn.act_in[k] * e[:, None, None] + toward + prop[..., None] * w_norm
         L2 = layer_project_local_lipschitz(
             X_mid, P2.radius, mid.token.amax(-1), "token", per_token=True
         )
@@ -428,7 +427,7 @@ def taylor_bound(
             budgets += [res.mid, res.out]
             budget = res.out
             sites.update({f"block{k}.{n}": v for n, v in res.sites.items()})
-        cls = torch.minimum(jn.cls * e + sym.cls + budget.acc, budget.token[:, 0])
+        cls = torch.minimum(jn.cls * e + sym.cls() + budget.acc, budget.token[:, 0])
         cls = torch.minimum(cls, trace[:, 2 + 2 * len(blocks), 1])
         sites["norm"] = final(cls)
         return (

@@ -80,23 +80,40 @@ def test_symbols_match_dense_jacobians(seed, k):
     tail = propagate(model, clean, k, rho, sym, max_symbols=10**6, chunk=7)
     assert torch.all(tail == 0)
     flat = rho.flatten(1)  # (B, N·m)
+    half = flat / 2
+
+    def close(a, b):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
     for off, G in enumerate(streams):  # (B, N, D, N, m)
         m = 2 * k + 2 + off
         Gf = G.flatten(-2)  # (B, N, D, N·m)
-        per_token = (Gf.norm(dim=2) * flat[:, None]).sum(-1)  # Σ_i ‖G_{t,i}‖ρ_i
-        whole = (Gf.flatten(1, 2).norm(dim=1) * flat).sum(-1)
-        assert torch.allclose(sym.stream_token[m], per_token, rtol=1e-10, atol=1e-14)
-        assert torch.allclose(sym.stream[m], whole, rtol=1e-10, atol=1e-14)
-    cls = (streams[-1][:, 0].flatten(-2).norm(dim=1) * flat).sum(-1)
-    assert torch.allclose(sym.cls, cls, rtol=1e-10, atol=1e-14)
+        close(sym.centre[m], (Gf * half[:, None, None]).sum(-1))
+        close(sym.half_token[m], (Gf.norm(dim=2) * half[:, None]).sum(-1))
+        close(sym.half[m], (Gf.flatten(1, 2).norm(dim=1) * half).sum(-1))
+    close(sym.cls_half, (streams[-1][:, 0].flatten(-2).norm(dim=1) * half).sum(-1))
     for off, G in enumerate(attn_in):
-        whole = (G.flatten(-2).flatten(1, 2).norm(dim=1) * flat).sum(-1)
-        assert torch.allclose(sym.attn_in[k + 1 + off], whole, rtol=1e-10, atol=1e-14)
+        Gf = G.flatten(-2)
+        close(sym.attn_centre[k + 1 + off], (Gf * half[:, None, None]).sum(-1))
+        close(sym.attn_half[k + 1 + off], (Gf.flatten(1, 2).norm(dim=1) * half).sum(-1))
     for off, G in enumerate(act_in):  # (B, N, m, N, m)
-        interval = (G.flatten(-2).abs() * flat[:, None, None]).sum(-1)
-        assert torch.allclose(sym.act_in[k + 1 + off], interval, rtol=1e-10, atol=1e-14)
+        Gf = G.flatten(-2)
+        close(sym.up[k + 1 + off], (Gf.clamp_min(0) * flat[:, None, None]).sum(-1))
+        close(sym.down[k + 1 + off], ((-Gf).clamp_min(0) * flat[:, None, None]).sum(-1))
     for m in range(2 * k + 2):  # nothing before the block changes
-        assert torch.all(sym.stream[m] == 0)
+        assert torch.all(sym.half[m] == 0) and torch.all(sym.centre[m] == 0)
+    # The bounds hold at every vertex of the box (and so everywhere in it).
+    for trial in range(20):
+        r = rho * (torch.rand(rho.shape, generator=g) < 0.5)
+        for off, G in enumerate(streams):
+            m = 2 * k + 2 + off
+            moved = torch.einsum("bndi,bi->bnd", G.flatten(-2), r.flatten(1))
+            assert torch.all(moved.flatten(1).norm(dim=1) <= sym.stream(m) * (1 + 1e-9))
+            assert torch.all(moved.norm(dim=-1) <= sym.stream_token(m) * (1 + 1e-9))
+        for off, G in enumerate(act_in):
+            moved = torch.einsum("bnui,bi->bnu", G.flatten(-2), r.flatten(1))
+            assert torch.all(moved <= sym.up[k + 1 + off] * (1 + 1e-9) + 1e-15)
+            assert torch.all(-moved <= sym.down[k + 1 + off] * (1 + 1e-9) + 1e-15)
 
 
 @pytest.mark.parametrize("seed", range(3))
