@@ -9,8 +9,9 @@ certify --n``), in one run:
   medians over the points where PGD finds a positive drop;
 * the median certified radius of each (bisection, tolerance ``--tol``) and the
   first-order limit ``min_j margin_j/‖∇margin_j‖`` (an estimate);
-* process CPU seconds per sample of building each certificate
-  (``time.process_time``; the machine may be shared: compare the ratio).
+* process CPU seconds per sample of building each certificate and of finding
+  its radii (``time.process_time``; the machine may be shared: compare the
+  ratios).
 
 Usage::
 
@@ -53,25 +54,30 @@ def main() -> None:
     nb = network_bound(model, x, "lofast")
     t_lofast = time.process_time() - t0
 
-    pgd = pgd_margin_drop(model, x, y, args.eps, steps=args.steps).amax(1)  # (B,)
+    pgd = pgd_margin_drop(model, x, y, args.eps, steps=args.steps).amax(1).detach()
     taylor = tb.margin_drop(args.eps).amax(1)
     lofast = math.sqrt(2) * nb.delta_out(args.eps)
     seen = pgd > 0
+    t0 = time.process_time()
     r_taylor = tb.radius(rtol=0, tol=args.tol)
+    t_taylor_r = time.process_time() - t0
+    t0 = time.process_time()
     r_lofast = certified_radius(margin(nb.logits, y), nb.delta_out, rtol=0,
                                   tol=args.tol)
+    t_lofast_r = time.process_time() - t0
     correct = margin(nb.logits, y) > 0
     n = len(y)
     print(f"{args.ckpt}: n={n}, eps={args.eps}, {int(seen.sum())} points with a "
           "positive PGD drop")
     print("| method | median bound/PGD at eps | median certified radius "
-          "| CPU s/sample (build) |")
-    print("|---|---|---|---|")
-    for name, bound, r, t in (("taylor", taylor, r_taylor, t_taylor),
-                              ("lofast", lofast, r_lofast, t_lofast)):
+          "| CPU s/sample (build) | CPU s/sample (radius) |")
+    print("|---|---|---|---|---|")
+    for name, bound, r, t, tr in (
+            ("taylor", taylor, r_taylor, t_taylor, t_taylor_r),
+            ("lofast", lofast, r_lofast, t_lofast, t_lofast_r)):
         ratio = (bound[seen] / pgd[seen]).median()
         print(f"| {name} | {float(ratio):.3f} | {float(r.median()):.5f} "
-              f"| {t / n:.4f} |")
+              f"| {t / n:.4f} | {tr / n:.4f} |")
     first = tb.first_order_radius()[correct]
     print(f"median first-order limit (estimate): {float(first.median()):.4f}; "
           f"median radius ratio taylor/lofast (correct points, lofast > 0): "
