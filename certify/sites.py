@@ -122,12 +122,48 @@ def forward_blocks(
     return model.head(cls), rec
 
 
-def site_gradients(model: ViT, x: Tensor, y: Tensor) -> tuple[Tensor, Inject, Record]:
+@dataclass
+class MarginGradients:
+    """Gradients of every margin ``f_j − f_y`` w.r.t. the image and each site, and
+    the graph they came from (for :meth:`through_act`).
+
+    Attributes:
+        x: ``(B, K, C, S, S)``: the image gradients.
+        sites: ``{(k, site): (B, K, *site shape)}``.
+        clean: the clean :class:`Record` (no graph).
+    """
+
+    x: Tensor
+    sites: Inject
+    clean: Record
+    _xr: Tensor
+    _inject: Inject
+    _act_in: list[Tensor]
+
+    def through_act(self, k: int, v: Tensor) -> tuple[Tensor, Inject]:
+        """``J_{z_k←x}ᵀ v`` and ``G_{z_k←φ}ᵀ v`` for every site ``φ`` before block
+        ``k``'s activation: the clean linearised network's response, at the image
+        and at those sites, to weights ``v`` ``(B, K, N, m)`` on block ``k``'s
+        pre-activations (one backward pass through the kept graph)."""
+        B, K = v.shape[:2]
+        keys = [key for key in self._inject if 0 <= key[0] < k
+                or (key[0] == k and key[1] != "act")]
+        with torch.enable_grad():
+            grads = torch.autograd.grad(
+                self._act_in[k], [self._xr, *(self._inject[q] for q in keys)],
+                grad_outputs=v.reshape(B * K, *v.shape[2:]), retain_graph=True,
+            )
+        out = {q: g.reshape(B, K, *g.shape[1:]) for q, g in zip(keys, grads[1:],
+                                                                strict=True)}
+        return grads[0].reshape(B, K, *grads[0].shape[1:]), out
+
+
+def site_gradients(model: ViT, x: Tensor, y: Tensor) -> MarginGradients:
     """Gradients of every margin ``f_j − f_y`` w.r.t. the image and each site.
 
     One backward pass for all samples and classes: each sample is repeated
-    once per class. Returns the image gradients ``(B, K, C, S, S)``, the site
-    gradients ``(B, K, *site shape)`` and the clean record.
+    once per class (``K`` classes), and the graph is kept for
+    :meth:`MarginGradients.through_act`.
     """
     B = x.shape[0]
     K = model.config.num_classes
@@ -148,20 +184,20 @@ def site_gradients(model: ViT, x: Tensor, y: Tensor) -> tuple[Tensor, Inject, Re
     }
     xr = x.repeat_interleave(K, dim=0).requires_grad_(True)  # (B·K, C, S, S)
     with torch.enable_grad():
-        logits, _ = forward(model, xr, inject)
+        logits, rec = forward(model, xr, inject)
         L = logits.reshape(B, K, K)  # copy (b, j) differentiates f_j − f_y
         j = torch.arange(K, device=x.device)
         total = (
             L[:, j, j]
             - L[:, j, :].gather(2, y[:, None, None].expand(B, K, 1)).squeeze(2)
         ).sum()
-        grads = torch.autograd.grad(total, [xr, *inject.values()])
-    g_x = grads[0].reshape(B, K, *x.shape[1:])
+        grads = torch.autograd.grad(total, [xr, *inject.values()], retain_graph=True)
     g_sites = {
         key: g.reshape(B, K, *g.shape[1:])
         for key, g in zip(inject, grads[1:], strict=True)
     }
-    return g_x, g_sites, clean
+    return MarginGradients(grads[0].reshape(B, K, *x.shape[1:]), g_sites, clean,
+                           xr, inject, rec.act_in)
 
 
 def gram_norm(T: Tensor) -> Tensor:

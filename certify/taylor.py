@@ -68,6 +68,7 @@ from lipvit.certify.remainders import (
 from lipvit.certify.sites import (
     SITES,
     JacobianNorms,
+    MarginGradients,
     Record,
     check_supported,
     forward,
@@ -132,18 +133,38 @@ def _token_norms(g: Tensor, mode: str) -> Tensor:
     return torch.linalg.vector_norm(g, dim=(-2, -1))[..., None]
 
 
+def _attn_share(g: Tensor, r_a: Tensor) -> Tensor:
+    """``‖g‖_F ‖r_a‖`` ``(B, K)``: a margin's share of the attention's remainder."""
+    return torch.linalg.vector_norm(g, dim=(-2, -1)) * r_a[:, None]
+
+
 def _vector_norms(X: Tensor, mode: str) -> Tensor:
     if mode == "token":
         return torch.linalg.vector_norm(X, dim=-1)  # (B, N)
     return torch.linalg.vector_norm(X, dim=(-2, -1))[:, None]  # (B, 1)
 
 
+class Chord(NamedTuple):
+    """A lipschitz block's ReLU units at one ε: clean pre-activations ``z``,
+    bounds ``up``, ``down`` on their moves up and down and ``ρ``, each
+    ``(B, N, m)`` (docs/taylor.md §5)."""
+
+    z: Tensor
+    up: Tensor
+    down: Tensor
+    rho: Tensor
+
+
 class BlockStep(NamedTuple):
-    """A block's result at one ε: site shares ``{site: (B, K)}`` and budgets."""
+    """A block's result at one ε: site shares ``{site: (B, K)}``, budgets, the
+    shares as a function of the margins' site gradients ``{site: (B, K, …)}``
+    and, for a lipschitz block, its :class:`Chord`."""
 
     sites: dict[str, Tensor]
     mid: Budget
     out: Budget
+    shares: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    chord: Chord | None
 
 
 BlockFn = Callable[[Tensor, Budget, Tensor, Tensor, Carried], BlockStep]
@@ -168,10 +189,6 @@ def _lipschitz_block(
     )
     J_a = attention_jacobian_norm(terms)  # (B,)
     w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
-    w1 = _token_norms(g["norm1"], P1.mode)  # (B, K, T)
-    w_attn = torch.linalg.vector_norm(g["attn"], dim=(-2, -1))  # (B, K)
-    w2 = _token_norms(g["norm2"], "token")  # (B, K, N)
-    g_act = g["act"].clamp_min(0)  # (B, K, N, m): r ≥ 0, so only g⁺ counts
     m_mid = 2 * k + 1
 
     def step(
@@ -189,27 +206,34 @@ def _lipschitz_block(
         mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
         r2 = layer_project_remainder(n_mid, P2.radius, mid.token)
         r2_t = r2.at(mid.token)  # (B, N)
-        # Each unit's move towards 0: ≤ ‖∇z_ti‖ε + Σ G^∓ρ + ‖w_i‖(‖J_P₂,t‖acc + ρ_P₂,t).
+        # Each unit's move up (down): ≤ ‖∇z_ti‖ε + Σ G⁺ρ (Σ G⁻ρ)
+        #                             + ‖w_i‖(‖J_P₂,t‖ acc + ρ_P₂,t).
         prop = L2_0 * mid.acc[:, None] + r2_t  # (B, N)
-        toward = torch.where(z > 0, sym.down[k], sym.up[k])  # (B, N, m)
-        delta = jn.act_in[k] * e[:, None, None] + toward + prop[..., None] * w_norm
         L2 = layer_project_local_lipschitz(
             X_mid, P2.radius, mid.token.amax(-1), "token", per_token=True
         )
-        delta = torch.minimum(delta, (L2 * mid.token)[..., None] * w_norm)
-        rho = flip_range(z, delta)  # (B, N, m): r_i ∈ [0, ρ_i] (docs/taylor.md §5)
+        first = jn.act_in[k] * e[:, None, None] + prop[..., None] * w_norm  # (B, N, m)
+        cap = (L2 * mid.token)[..., None] * w_norm
+        up = torch.minimum(first + sym.up[k], cap)
+        down = torch.minimum(first + sym.down[k], cap)
+        rho = flip_range(z, torch.where(z > 0, down, up))  # r_i ∈ [0, ρ_i] (§5)
         tail = propagate(model, clean, k, rho, sym, max_symbols)
         # P₂'s remainder passes the linearised SLL (norm ≤ 1); the ReLU's are
         # symbols, but for the tail (bounded in norm).
         acc_out = mid.acc + torch.linalg.vector_norm(r2_t, dim=-1) + tail
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out)
-        sites = {
-            "norm1": r1.weighted(w1, b.all, caps1),
-            "attn": w_attn * r_a[:, None],
-            "norm2": r2.weighted(w2, mid.all, mid.token),
-            "act": (g_act * rho[:, None]).sum((-2, -1)),
-        }
-        return BlockStep(sites, mid, out)
+
+        def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {
+                "norm1": r1.weighted(_token_norms(g["norm1"], P1.mode), b.all, caps1),
+                "attn": _attn_share(g["attn"], r_a),
+                "norm2": r2.weighted(_token_norms(g["norm2"], "token"), mid.all,
+                                     mid.token),
+                # r ≥ 0, so only g⁺ counts
+                "act": (g["act"].clamp_min(0) * rho[:, None]).sum((-2, -1)),
+            }
+
+        return BlockStep(shares(g), mid, out, shares, Chord(z, up, down, rho))
 
     return step
 
@@ -256,10 +280,6 @@ def _standard_block(
     w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
     W2_norm = spectral_norm(block.mlp.fc2.weight)
     mlp_lip = gelu_mlp_local_lipschitz(W1, block.mlp.fc2.weight)  # ≥ ‖W₂ diag W₁‖
-    w_ln1 = _layernorm_weights(g["norm1"], ln1)  # (B, K, N)
-    w_attn = torch.linalg.vector_norm(g["attn"], dim=(-2, -1))  # (B, K)
-    w_ln2 = _layernorm_weights(g["norm2"], ln2)
-    w_act = g["act"].abs()  # (B, K, N, m)
     m_mid = 2 * k + 1
 
     def step(
@@ -295,13 +315,18 @@ def _standard_block(
             lam * mid.acc + torch.linalg.vector_norm(R_t, dim=-1),
             chain_out,
         )
-        sites = {
-            "norm1": r1.weighted(w_ln1, b.all, b.token),
-            "attn": w_attn * r_a[:, None],
-            "norm2": r2.weighted(w_ln2, mid.all, mid.token),
-            "act": (w_act * r_gelu[:, None]).sum((-2, -1)),
-        }
-        return BlockStep(sites, mid, out)
+
+        def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {
+                "norm1": r1.weighted(_layernorm_weights(g["norm1"], ln1), b.all,
+                                     b.token),
+                "attn": _attn_share(g["attn"], r_a),
+                "norm2": r2.weighted(_layernorm_weights(g["norm2"], ln2), mid.all,
+                                     mid.token),
+                "act": (g["act"].abs() * r_gelu[:, None]).sum((-2, -1)),
+            }
+
+        return BlockStep(shares(g), mid, out, shares, None)
 
     return step
 
@@ -319,7 +344,11 @@ class TaylorBound:
         margins: ``f_y − f_j`` ``(B, K)`` (``+inf`` at ``j = y``).
         grad_norm: ``‖c_jᵀ J‖`` ``(B, K)``, **exact** (0 at ``j = y``).
         jacobians: :class:`JacobianNorms` from the image, **exact**.
-        remainder: ``ε ↦ (B, K)``, the remainder part of the margin-drop bound.
+        remainders: ``ε ↦ {name: (B, K)}``: the remainder part of the margin-drop
+            bound, each a bound on its own: ``"box"`` (every site's share, the
+            ReLU units' by ``g⁺ρ``) and, for a lipschitz model, ``"chord"``
+            (ReLU chords back-substituted, docs/taylor.md §5; it may be below
+            zero: the first-order term changes too).
         walk: ``ε ↦ ({site: (B, K)}, [Budget], β_cls)``: the remainder part
             site by site, the stream budgets and the class token's budget
             (**upper bounds**).
@@ -330,13 +359,18 @@ class TaylorBound:
     margins: Tensor
     grad_norm: Tensor
     jacobians: JacobianNorms
-    remainder: Callable[[Tensor], Tensor]
+    remainders: Callable[[Tensor], dict[str, Tensor]]
     walk: Callable[[Tensor], tuple[dict[str, Tensor], list, Tensor]]
     delta_out: Callable[[Tensor], Tensor]
 
     def _eps(self, eps: float | Tensor) -> Tensor:
         m = self.margins
         return eps_per_sample(eps, m.shape[0], m.dtype, m.device)
+
+    def remainder(self, eps: float | Tensor) -> Tensor:
+        """The smallest of :attr:`remainders` at ε, ``(B, K)``."""
+        parts = list(self.remainders(self._eps(eps)).values())
+        return torch.stack(parts).amin(0)
 
     def margin_drop(self, eps: float | Tensor) -> Tensor:
         """Upper bound on ``c_jᵀ(f(x') − f(x))`` over the ε-ball, ``(B, K)``."""
@@ -396,7 +430,8 @@ def taylor_bound(
     y = y.to(x.device)
     chain = network_bound(model, x, "lofast")
     with torch.no_grad():
-        g_x, g_sites, clean = site_gradients(model, x, y)
+        grads = site_gradients(model, x, y)
+        g_x, g_sites, clean = grads.x, grads.sites, grads.clean
         jn = jacobian_norms(model, x)
         logits, _ = forward(model, x)
         B, K = logits.shape
@@ -416,37 +451,79 @@ def taylor_bound(
         ]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
 
-    def walk(e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
-        """Site shares, stream budgets and the class token's budget at ε ``(B,)``."""
+    def run(e: Tensor) -> tuple[list[BlockStep], list[Budget], Tensor]:
+        """Every block's step, the stream budgets and the class token's budget."""
         trace = chain.trace(e)  # (B, steps+1, 2): rows 2.. are the stream states
         sym = Carried.zeros(clean)
         budget = _budget(e, jn, sym, 0, torch.zeros_like(e), trace[:, 2, 0])
-        budgets, sites = [budget], {}
+        budgets, steps = [budget], []
         for k, step in enumerate(blocks):
             res = step(e, budget, trace[:, 3 + 2 * k, 0], trace[:, 4 + 2 * k, 0], sym)
             budgets += [res.mid, res.out]
             budget = res.out
-            sites.update({f"block{k}.{n}": v for n, v in res.sites.items()})
+            steps.append(res)
         cls = torch.minimum(jn.cls * e + sym.cls() + budget.acc, budget.token[:, 0])
-        cls = torch.minimum(cls, trace[:, 2 + 2 * len(blocks), 1])
-        sites["norm"] = final(cls)
-        return (
-            {n: torch.where(wrong, v, torch.zeros_like(v)) for n, v in sites.items()},
-            budgets,
-            cls,
-        )
+        return steps, budgets, torch.minimum(cls, trace[:, 2 + 2 * len(blocks), 1])
 
-    def remainder(e: Tensor) -> Tensor:
-        return sum(walk(e)[0].values())
+    def masked(t: Tensor) -> Tensor:
+        return torch.where(wrong, t, torch.zeros_like(t))
+
+    def walk(e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
+        """Site shares, stream budgets and the class token's budget at ε ``(B,)``."""
+        steps, budgets, cls = run(e)
+        sites = {f"block{k}.{n}": v for k, res in enumerate(steps)
+                 for n, v in res.sites.items()}
+        sites["norm"] = final(cls)
+        return {n: masked(v) for n, v in sites.items()}, budgets, cls
+
+    def remainders(e: Tensor) -> dict[str, Tensor]:
+        steps, _, cls = run(e)
+        out = {"box": sum(v for res in steps for v in res.sites.values()) + final(cls)}
+        if steps[0].chord is not None:
+            out["chord"] = (
+                _chord_bound(e, steps, grads) + final(cls) - grad_norm * e[:, None]
+            )
+        return {name: masked(v) for name, v in out.items()}
 
     return TaylorBound(
         margins,
         torch.where(wrong, grad_norm, torch.zeros_like(grad_norm)),
         jn,
-        remainder,
+        remainders,
         walk,
         chain.delta_out,
     )
+
+
+def _chord_bound(e: Tensor, steps: list[BlockStep], grads: MarginGradients) -> Tensor:
+    """The margin-drop bound with ReLU chords back-substituted, docs/taylor.md §5.
+
+    On ``Δz_i ∈ [−down_i, up_i]`` the convex remainder lies below its chord,
+    ``r_i ≤ a_i Δz_i + b_i``; for ``g_i > 0`` this bounds ``g_i r_i`` (for
+    ``g_i ≤ 0``, ``g_i r_i ≤ 0``). ``Σ_i g_i⁺ a_i Δz_i`` is linear in the image
+    and in the earlier sites' remainders (``Δz = J_{z←x}Γ + Σ_φ G_{z←φ} r_φ``,
+    exact), so its weights are added to theirs by one backward pass per block,
+    last block first; what remains is ``‖g′_x‖ε``, the other sites' shares with
+    the new weights ``g′``, the chord constants and (added by the caller) the
+    final norm's share. ``(B, K)``, without the final norm.
+    """
+    g = dict(grads.sites)
+    g_x = grads.x
+    total = 0.0
+    for k in reversed(range(len(steps))):
+        z, up, down, rho = steps[k].chord
+        width = (up + down).clamp_min(1e-300)
+        slope = torch.where(z > 0, -rho, rho) / width  # (B, N, m): a_i
+        const = rho * torch.where(z > 0, up, down) / width  # b_i
+        g_pos = g[(k, "act")].clamp_min(0)  # (B, K, N, m)
+        total = total + (g_pos * const[:, None]).sum((-2, -1))
+        dx, dsites = grads.through_act(k, g_pos * slope[:, None])
+        g_x = g_x + dx
+        g.update({key: g[key] + d for key, d in dsites.items()})
+    for k, res in enumerate(steps):
+        shares = res.shares({s: g[(k, s)] for s in SITES})
+        total = total + shares["norm1"] + shares["attn"] + shares["norm2"]
+    return total + torch.linalg.vector_norm(g_x.flatten(2), dim=-1) * e[:, None]
 
 
 def _final_site(model: ViT, cls: Tensor, g: Tensor) -> Callable[[Tensor], Tensor]:

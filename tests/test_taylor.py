@@ -220,10 +220,13 @@ def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed):
         drop = tb.margin_drop(eps)  # (B, K)
         pgd = pgd_margin_drop(model, x, y, eps, steps=40, restarts=2)
         assert torch.all(pgd <= drop), (eps, pgd, drop)
-        # The Taylor part alone (without the √2 δ_out cap) is a bound too.
+        # The Taylor parts alone (without the √2 δ_out cap) are bounds too, each.
         e = torch.full((3,), eps, dtype=F64)
-        raw = tb.grad_norm * eps + tb.remainder(e)
-        assert torch.all(pgd <= raw * (1 + 1e-9)), (eps, pgd, raw)
+        parts = tb.remainders(e)
+        assert set(parts) == ({"box", "chord"} if family == "lipschitz" else {"box"})
+        for name, part in parts.items():
+            raw = tb.grad_norm * eps + part
+            assert torch.all(pgd <= raw * (1 + 1e-9)), (name, eps, pgd, raw)
         assert bool((pgd > 0).any())  # the attack does find drops
         # The first-order part alone is a lower bound's limit: never above the bound.
         assert torch.all(tb.grad_norm * eps <= drop * (1 + 1e-9) + 1e-300)
