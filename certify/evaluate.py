@@ -41,9 +41,12 @@ CASCADES = {"cascade": "lofast", "cascade-taylor": "taylor"}
 QUANTITIES = {
     "taylor": {
         "first_order": "exact: ||c_j^T J|| eps, autograd gradients in float64",
-        "remainders": "upper bounds (docs/taylor.md)",
+        "remainders": "upper bounds (docs/taylor.md); lipschitz models: the "
+                      "smaller of the box and the back-substituted chord bound "
+                      "of the ReLU units that can flip",
         "budgets": "upper bounds: min of the LoFAST chain and the first-order "
-                   "recursion with exact Jacobian norms",
+                   "recursion with exact Jacobian norms and the ReLU flip "
+                   "symbols carried with exact coefficients",
         "certificate": "sound: every wrong-class margin exceeds its drop bound",
     },
 }
