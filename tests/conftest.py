@@ -50,6 +50,8 @@ SLOW_TESTS = (
     "tests/test_attack_radius.py::test_radius_is_a_verified_adversarial_distance",
     "tests/test_attack_radius.py::test_lofast_certified_radius_is_below_the_attack*",
     "tests/test_attacks.py::test_per_sample_consistency",
+    "tests/test_symbols.py::test_stream_budgets_bound_pgd[[]256-*]",
+    "tests/test_symbols.py::test_stream_budgets_bound_pgd[[]1-1]",
     "tests/test_crown.py::test_one_bounded_model_reused_over_samples_and_eps",
     "tests/test_taylor.py::test_taylor_certified_points_survive_pgdl2_and_apgd",
     "tests/test_taylor.py::test_margin_drop_bound_exceeds_pgd_on_every_class[[]1-*]",

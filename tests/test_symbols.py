@@ -18,13 +18,16 @@ from tests.conftest import tiny_config
 F64 = torch.float64
 
 
-def _model(seed: int, **kw) -> ViT:
+def _setup(seed: int, batch: int) -> tuple[ViT, torch.Generator, torch.Tensor]:
+    """A 3-block lipschitz model with weights 3× their initial size (visibly
+    nonlinear), a seeded generator and ``batch`` random images."""
     torch.manual_seed(seed)
-    model = ViT(tiny_config("lipschitz", depth=3, **kw)).double().eval()
-    with torch.no_grad():  # larger weights than at init: a visibly nonlinear model
+    model = ViT(tiny_config("lipschitz", depth=3)).double().eval()
+    with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)
-    return model
+    g = torch.Generator().manual_seed(seed)
+    return model, g, torch.rand(batch, 1, 8, 8, dtype=F64, generator=g)
 
 
 def test_relu_remainder_lies_in_flip_range():
@@ -68,9 +71,7 @@ def _dense(model, x, k):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("k", [0, 1])
 def test_symbols_match_dense_jacobians(seed, k):
-    model = _model(seed)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=g)
+    model, g, x = _setup(seed, 2)
     (streams, attn_in, act_in), clean = _dense(model, x, k)
     z = clean.act_in[k]
     rho = torch.rand(z.shape, dtype=F64, generator=g) * (
@@ -118,9 +119,7 @@ def test_symbols_match_dense_jacobians(seed, k):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_tail_bound_covers_every_vertex(seed):
-    model = _model(seed)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(1, 1, 8, 8, dtype=F64, generator=g)
+    model, g, x = _setup(seed, 1)
     with torch.no_grad():
         _, clean = forward(model, x)
     z = clean.act_in[0]
@@ -147,9 +146,7 @@ def test_tail_bound_covers_every_vertex(seed):
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("max_symbols", [1, 256])
 def test_stream_budgets_bound_pgd(seed, max_symbols):
-    model = _model(seed)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=g)
+    model, g, x = _setup(seed, 2)
     with torch.no_grad():
         y = model(x).argmax(1)
     tb = taylor_bound(model, x, y, max_symbols=max_symbols)
