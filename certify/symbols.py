@@ -124,7 +124,7 @@ def flip_range(z: Tensor, delta: Tensor) -> Tensor:
 
 def propagate(
     model: ViT, clean: Record, k: int, rho: Tensor, carried: Carried,
-    max_symbols: int = 256, chunk: int = 512,
+    max_symbols: int = 1024, chunk: int = 512,
 ) -> Tensor:
     """Add block ``k``'s symbols to ``carried``, in place; bound the rest.
 

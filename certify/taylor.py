@@ -411,7 +411,7 @@ class TaylorBound:
 
 
 def taylor_bound(
-    model: ViT, x: Tensor, y: Tensor, max_symbols: int = 256
+    model: ViT, x: Tensor, y: Tensor, max_symbols: int = 1024
 ) -> TaylorBound:
     """The taylor certificate of ``model`` at images ``x`` ``(B, C, S, S)``, labels y.
 
