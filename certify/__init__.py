@@ -4,7 +4,8 @@ Public entry points (``__all__``): the network bound and certification of a
 batch (:func:`network_bound`, :func:`certify_samples`, :func:`certified_radius`,
 :func:`is_certified`, :func:`margin`) and the per-layer attention bounds
 (:func:`lofast_bound`, LoFAST Theorem 1; :func:`specformer_bound`, SpecFormer
-Theorem 4.2). Certification runs in float64 whatever the model's dtype.
+Theorem 4.2), and the first-order-exact network certificate
+(:func:`taylor_bound`, docs/taylor.md). Certification runs in float64 whatever the model's dtype.
 Everything else is internal to its submodule.
 """
 
@@ -20,6 +21,8 @@ _PUBLIC = {
     "margin": ".certification",
     "lofast_bound": ".lofast",
     "specformer_bound": ".specformer",
+    "TaylorBound": ".taylor",
+    "taylor_bound": ".taylor",
 }
 
 __all__ = sorted(_PUBLIC)

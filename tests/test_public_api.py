@@ -16,9 +16,9 @@ PUBLIC = {
         "vit_from_hf", "vit_from_timm",
     ],
     "certify": [
-        "CertifyReport", "NetworkBound", "certified_radius", "certify_samples",
-        "is_certified", "lofast_bound", "margin", "network_bound",
-        "specformer_bound",
+        "CertifyReport", "NetworkBound", "TaylorBound", "certified_radius",
+        "certify_samples", "is_certified", "lofast_bound", "margin", "network_bound",
+        "specformer_bound", "taylor_bound",
     ],
     "analysis": [
         "block_jacobian_sigma", "jacobian_spectrum", "layer_tightness",
