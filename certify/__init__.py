@@ -5,8 +5,8 @@ batch (:func:`network_bound`, :func:`certify_samples`, :func:`certified_radius`,
 :func:`is_certified`, :func:`margin`) and the per-layer attention bounds
 (:func:`lofast_bound`, LoFAST Theorem 1; :func:`specformer_bound`, SpecFormer
 Theorem 4.2), and the first-order-exact network certificate
-(:func:`taylor_bound`, docs/taylor.md). Certification runs in float64 whatever the model's dtype.
-Everything else is internal to its submodule.
+(:func:`taylor_bound`, docs/taylor.md). Certification runs in float64
+whatever the model's dtype. Everything else is internal to its submodule.
 """
 
 from lipvit._lazy import lazy_getattr

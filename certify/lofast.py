@@ -14,6 +14,7 @@ paper                code               meaning, equation
 ``M_l = W^V W^O``    ``W_vo``           ``(H, D, D)``
 ``A_l = W^Q W^Kᵀ``   ``W_qk``           ``(H, D, D)`` (``1/√d`` kept outside)
 ``ζ(X)``             ``zeta``           key sensitivity metric, eq. (15), Lemma 1
+``ζ_cls(X)``         ``zeta_cls``       ζ's class-token row (extension, math.md §5.2)
 ``δ1^(naive)``       ``delta_1_naive``  eq. (12)
 ``M_l(X)``           ``lemma2_*``       ``Γ ↦ Γ A_l Xᵀ + X A_l Γᵀ``, eq. (25)
 ``ξ_l(X)``           ``xi``             ``‖A_l Xᵀ‖ + ‖X A_l‖``, eq. (26)
@@ -503,6 +504,33 @@ def _key_sensitivity(
                     lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
                     _start((B, N, D), P), n_iter, tol)
     return NormBound(est.sigma, method, False)
+
+
+def zeta_cls(P: Tensor, W_vo: Tensor) -> Tensor:
+    """ζ_cls(X): exact norm of ``Γ ↦ Σ_h P_h[0, :] Γ W_vo[h]`` (the class row of Δ1).
+
+    The class token's row of LoFAST's first-order term (eq. 10, ``H = 0``) is
+    ``Σ_n (Σ_h P_h[0, n] W_vo[h]ᵀ) Γ[n]ᵀ``: the ``D × N·D`` matrix
+    ``K = [K_1 … K_N]``, ``K_n = Σ_h P_h[0, n] W_vo[h]ᵀ``, whose norm is
+    ``√λ_max(Σ_n K_n K_nᵀ)`` (dense ``D × D`` eigvalsh plus the rounding
+    margin of :func:`lipvit.spectral.eigvalsh_upper` with
+    ``‖K̃‖_F ≤ Σ_h ‖P_h[0, :]‖ ‖W_vo[h]‖_F``: an upper bound). Under diffuse
+    attention it is about ``‖W_vo‖/√N``, while the
+    whole-matrix ζ is about ``‖W_vo‖`` (extension; tested against brute force).
+
+    Args:
+        P: attention ``(B, H, N, N)``.
+        W_vo: ``W_v[h] W_o[h]``, ``(H, D, D)``.
+
+    Returns:
+        ``(B,)``.
+    """
+    K = torch.einsum("bhn,hED->bnDE", P[:, :, 0], W_vo)  # (B, N, D, D): K_n
+    gram = torch.einsum("bnij,bnkj->bik", K, K)  # (B, D, D): Σ_n K_n K_nᵀ
+    row = torch.linalg.vector_norm(P[:, :, 0], dim=-1)  # (B, H): ‖P_h[0, :]‖
+    scale = (row * torch.linalg.matrix_norm(W_vo)).sum(-1).square()  # (B,)
+    N, D, H = P.shape[-1], W_vo.shape[-1], W_vo.shape[0]
+    return eigvalsh_upper(gram, scale, inner=N * D + H).sqrt()
 
 
 def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> NormBound:

@@ -56,14 +56,13 @@ from lipvit.certify.local import (
     layernorm_local_lipschitz,
     linear_norm,
 )
-from lipvit.certify.lofast import LoFASTTerms, lofast_terms
+from lipvit.certify.lofast import LoFASTTerms, lofast_terms, zeta_cls
 from lipvit.certify.specformer import specformer_terms
 from torch import Tensor
 
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import LayerProject
 from lipvit.model import ViT
-from lipvit.spectral import eigvalsh_upper
 
 Method = Literal["lofast", "lofast-fast", "specformer"]
 DeltaFn = Callable[[Tensor], Tensor]  # (B,) budget in -> (B,) bound out
@@ -141,33 +140,6 @@ class NetworkBound:
         return self.trace(eps)[:, -1, 1]
 
 
-def class_row_sensitivity(P: Tensor, W_vo: Tensor) -> Tensor:
-    """ζ_cls(X): exact norm of ``Γ ↦ Σ_h P_h[0, :] Γ W_vo[h]`` (the class row of Δ1).
-
-    The class token's row of LoFAST's first-order term (eq. 10, ``H = 0``) is
-    ``Σ_n (Σ_h P_h[0, n] W_vo[h]ᵀ) Γ[n]ᵀ``: the ``D × N·D`` matrix
-    ``K = [K_1 … K_N]``, ``K_n = Σ_h P_h[0, n] W_vo[h]ᵀ``, whose norm is
-    ``√λ_max(Σ_n K_n K_nᵀ)`` (dense ``D × D`` eigvalsh plus the rounding
-    margin of :func:`lipvit.spectral.eigvalsh_upper` with
-    ``‖K̃‖_F ≤ Σ_h ‖P_h[0, :]‖ ‖W_vo[h]‖_F``: an upper bound). Under diffuse
-    attention it is about ``‖W_vo‖/√N``, while the
-    whole-matrix ζ is about ``‖W_vo‖`` (extension; tested against brute force).
-
-    Args:
-        P: attention ``(B, H, N, N)``.
-        W_vo: ``W_v[h] W_o[h]``, ``(H, D, D)``.
-
-    Returns:
-        ``(B,)``.
-    """
-    K = torch.einsum("bhn,hED->bnDE", P[:, :, 0], W_vo)  # (B, N, D, D): K_n
-    gram = torch.einsum("bnij,bnkj->bik", K, K)  # (B, D, D): Σ_n K_n K_nᵀ
-    row = torch.linalg.vector_norm(P[:, :, 0], dim=-1)  # (B, H): ‖P_h[0, :]‖
-    scale = (row * torch.linalg.matrix_norm(W_vo)).sum(-1).square()  # (B,)
-    N, D, H = P.shape[-1], W_vo.shape[-1], W_vo.shape[0]
-    return eigvalsh_upper(gram, scale, inner=N * D + H).sqrt()
-
-
 class AttentionBound(NamedTuple):
     """Bounds ``ε ↦ (B,)`` of one attention layer's change at a clean input."""
 
@@ -191,14 +163,14 @@ def _attention_bound(X: Tensor, attn, residual: bool, method: str) -> AttentionB
                          n_iter=POWER_ITERATIONS, tol=POWER_TOL)
     P = torch.softmax(terms.logits.to(torch.float64), dim=-1)  # (B, H, N, N)
     W_vo = value_output(*(w.to(torch.float64) for w in W[2:]))  # (H, D, D)
-    zeta_cls = class_row_sensitivity(P, W_vo).to(X.dtype)
+    z_cls = zeta_cls(P, W_vo).to(X.dtype)
 
     def whole(eps: Tensor) -> Tensor:
         return terms.delta(eps, LOFAST_VARIANT)
 
     def cls(eps: Tensor) -> Tensor:
         bound = terms.bound(eps)
-        return torch.minimum(zeta_cls * eps + bound.delta_2_local, bound.total_local)
+        return torch.minimum(z_cls * eps + bound.delta_2_local, bound.total_local)
 
     return AttentionBound(whole, cls, terms)
 

@@ -10,7 +10,8 @@ import torchattacks
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.certification import certified_radius, is_certified, margin
 from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.network import class_row_sensitivity, network_bound
+from lipvit.certify.lofast import zeta_cls
+from lipvit.certify.network import network_bound
 
 import lipvit
 from lipvit.checkpoint import load_checkpoint
@@ -84,19 +85,19 @@ def test_bad_eps_and_method(digits):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_class_row_sensitivity_is_the_exact_norm(seed):
+def test_zeta_cls_is_the_exact_norm(seed):
     g = torch.Generator().manual_seed(seed)
     B, H, N, D = 2, 3, 5, 4
     P = torch.softmax(torch.randn(B, H, N, N, generator=g, dtype=torch.float64) * 3, -1)
     W_vo = torch.randn(H, D, D, generator=g, dtype=torch.float64)
-    zeta_cls = class_row_sensitivity(P, W_vo)
+    z_cls = zeta_cls(P, W_vo)
     for b in range(B):
         def row(G, b=b):  # Γ (N, D) ↦ Σ_h P_h[0] Γ W_vo[h], shape (D,)
             return torch.einsum("hn,nD,hDE->E", P[b, :, 0], G, W_vo)
 
         J = torch.func.jacrev(row)(torch.zeros(N, D, dtype=torch.float64))  # (D, N, D)
         exact = torch.linalg.matrix_norm(J.reshape(D, N * D), ord=2)
-        assert torch.isclose(zeta_cls[b], exact, rtol=1e-10)
+        assert torch.isclose(z_cls[b], exact, rtol=1e-10)
 
 
 def test_margin_and_radius_closed_form():

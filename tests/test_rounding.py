@@ -18,7 +18,7 @@ from lipvit.certify.lofast import (
     certified_lambda_max,
     sensitivity_matrix,
 )
-from lipvit.certify.network import class_row_sensitivity
+from lipvit.certify.lofast import zeta_cls
 
 from lipvit.spectral import eigvalsh_upper
 
@@ -74,7 +74,7 @@ def test_zeta_and_zeta_cls_are_above_the_exact_values(seed):
     K = sensitivity_matrix(P, W_v @ W_o, True)[0]  # (N·D, N·D)
     assert mpmath.mpf(zeta.item()) ** 2 >= _lambda_max_exact(K)
     W_vo = W_v @ W_o
-    cls = class_row_sensitivity(P, W_vo)
+    cls = zeta_cls(P, W_vo)
     K_cls = torch.cat([sum(P[0, h, 0, n] * W_vo[h].T for h in range(H))
                        for n in range(N)], dim=1)  # (D, N·D)
     assert mpmath.mpf(cls.item()) ** 2 >= _lambda_max_exact(K_cls.T)
