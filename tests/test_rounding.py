@@ -17,8 +17,8 @@ from lipvit.certify.lofast import (
     _key_sensitivity,
     certified_lambda_max,
     sensitivity_matrix,
+    zeta_cls,
 )
-from lipvit.certify.lofast import zeta_cls
 
 from lipvit.spectral import eigvalsh_upper
 
