@@ -131,11 +131,13 @@ class MarginGradients:
         x: ``(B, K, C, S, S)``: the image gradients.
         sites: ``{(k, site): (B, K, *site shape)}``.
         clean: the clean :class:`Record` (no graph).
+        logits: the clean logits ``(B, K)``.
     """
 
     x: Tensor
     sites: Inject
     clean: Record
+    logits: Tensor
     _xr: Tensor
     _inject: Inject
     _act_in: list[Tensor]
@@ -168,7 +170,7 @@ def site_gradients(model: ViT, x: Tensor, y: Tensor) -> MarginGradients:
     B = x.shape[0]
     K = model.config.num_classes
     with torch.no_grad():
-        _, clean = forward(model, x)
+        logits0, clean = forward(model, x)
     shapes = {}
     for k in range(len(model.blocks)):
         shapes[(k, "norm1")] = shapes[(k, "attn")] = shapes[(k, "norm2")] = (
@@ -197,7 +199,7 @@ def site_gradients(model: ViT, x: Tensor, y: Tensor) -> MarginGradients:
         for key, g in zip(inject, grads[1:], strict=True)
     }
     return MarginGradients(grads[0].reshape(B, K, *x.shape[1:]), g_sites, clean,
-                           xr, inject, rec.act_in)
+                           logits0, xr, inject, rec.act_in)
 
 
 def gram_norm(T: Tensor) -> Tensor:

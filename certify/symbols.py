@@ -151,13 +151,14 @@ def propagate(
     """
     sll = model.blocks[k].mlp
     column = -2.0 * sll.fc1.weight / sll.T()[:, None]  # (m, D): c_i = −2 W T⁻¹ e_i
-    score = (rho * torch.linalg.vector_norm(column, dim=1)).flatten(1)  # (B, N·m)
+    c_norm = torch.linalg.vector_norm(column, dim=1)  # (m,): ‖c_i‖
+    score = (rho * c_norm).flatten(1)  # (B, N·m)
     top = score.topk(min(max_symbols, score.shape[1]), dim=1).indices
     chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(1, top, True)
     chosen = chosen.reshape(rho.shape) & (rho > 0)
     tail = torch.where(chosen, torch.zeros_like(rho), rho)  # (B, N, m)
     tau = torch.minimum(
-        (tail * torch.linalg.vector_norm(column, dim=1)).sum(-1),
+        (tail * c_norm).sum(-1),
         spectral_norm(column) * torch.linalg.vector_norm(tail, dim=-1),
     )  # (B, N)
     X0 = clean.stream[2 * k + 2]  # (B, N, D): block k's output

@@ -126,22 +126,19 @@ def _budget(
     return Budget(whole, token, acc)
 
 
-def _token_norms(g: Tensor, mode: str) -> Tensor:
-    """``‖g_t‖`` per projected vector: ``(B, K, N)`` (token) or ``(B, K, 1)``."""
+def _projected_norms(t: Tensor, mode: str) -> Tensor:
+    """Norm of each vector a LayerProject of ``mode`` projects: over the last
+    dimension (``"token"``) or the last two, kept as a size-1 dimension
+    (``"frobenius"``). ``(B, N, D) → (B, N)`` or ``(B, 1)``; a margin gradient
+    ``(B, K, N, D) → (B, K, N)`` or ``(B, K, 1)``."""
     if mode == "token":
-        return torch.linalg.vector_norm(g, dim=-1)
-    return torch.linalg.vector_norm(g, dim=(-2, -1))[..., None]
+        return torch.linalg.vector_norm(t, dim=-1)
+    return torch.linalg.vector_norm(t, dim=(-2, -1))[..., None]
 
 
 def _attn_share(g: Tensor, r_a: Tensor) -> Tensor:
     """``‖g‖_F ‖r_a‖`` ``(B, K)``: a margin's share of the attention's remainder."""
     return torch.linalg.vector_norm(g, dim=(-2, -1)) * r_a[:, None]
-
-
-def _vector_norms(X: Tensor, mode: str) -> Tensor:
-    if mode == "token":
-        return torch.linalg.vector_norm(X, dim=-1)  # (B, N)
-    return torch.linalg.vector_norm(X, dim=(-2, -1))[:, None]  # (B, 1)
 
 
 class Chord(NamedTuple):
@@ -156,11 +153,10 @@ class Chord(NamedTuple):
 
 
 class BlockStep(NamedTuple):
-    """A block's result at one ε: site shares ``{site: (B, K)}``, budgets, the
-    shares as a function of the margins' site gradients ``{site: (B, K, …)}``
-    and, for a lipschitz block, its :class:`Chord`."""
+    """A block's result at one ε: budgets, the site shares ``{site: (B, K)}`` as
+    a function of the margins' site gradients ``{site: (B, K, …)}`` and, for a
+    lipschitz block, its :class:`Chord`."""
 
-    sites: dict[str, Tensor]
     mid: Budget
     out: Budget
     shares: Callable[[dict[str, Tensor]], dict[str, Tensor]]
@@ -173,15 +169,14 @@ BlockStep``; a lipschitz block adds its ReLU symbols to the :class:`Carried`."""
 
 
 def _lipschitz_block(
-    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor],
-    max_symbols: int,
+    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms, max_symbols: int
 ) -> BlockFn:
     """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7);
     the ReLU units that can flip become symbols (:mod:`lipvit.certify.symbols`)."""
     block = model.blocks[k]
     X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
     P1, P2 = block.norm1, block.norm2
-    n1, n_mid = _vector_norms(X, P1.mode), _vector_norms(X_mid, "token")
+    n1, n_mid = _projected_norms(X, P1.mode), _projected_norms(X_mid, "token")
     zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
     L1_0 = layer_project_local_lipschitz(X, P1.radius, zero, P1.mode)  # ‖J_P₁‖ (B,)
     L2_0 = layer_project_local_lipschitz(
@@ -225,15 +220,16 @@ def _lipschitz_block(
 
         def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
             return {
-                "norm1": r1.weighted(_token_norms(g["norm1"], P1.mode), b.all, caps1),
+                "norm1": r1.weighted(_projected_norms(g["norm1"], P1.mode), b.all,
+                                     caps1),
                 "attn": _attn_share(g["attn"], r_a),
-                "norm2": r2.weighted(_token_norms(g["norm2"], "token"), mid.all,
+                "norm2": r2.weighted(_projected_norms(g["norm2"], "token"), mid.all,
                                      mid.token),
                 # r ≥ 0, so only g⁺ counts
                 "act": (g["act"].clamp_min(0) * rho[:, None]).sum((-2, -1)),
             }
 
-        return BlockStep(shares(g), mid, out, shares, Chord(z, up, down, rho))
+        return BlockStep(mid, out, shares, Chord(z, up, down, rho))
 
     return step
 
@@ -265,7 +261,7 @@ def _layernorm_weights(g: Tensor, ln) -> Tensor:
 
 
 def _standard_block(
-    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms, g: dict[str, Tensor]
+    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms
 ) -> BlockFn:
     """Sites of ``X + attn(LN₁(X))``, ``X+mlp(LN₂(X))``, docs/taylor.md §4, §6, §7.
     No symbols: every GELU unit has a remainder, bounded per unit."""
@@ -326,7 +322,7 @@ def _standard_block(
                 "act": (g["act"].abs() * r_gelu[:, None]).sum((-2, -1)),
             }
 
-        return BlockStep(shares(g), mid, out, shares, None)
+        return BlockStep(mid, out, shares, None)
 
     return step
 
@@ -431,9 +427,8 @@ def taylor_bound(
     chain = network_bound(model, x, "lofast")
     with torch.no_grad():
         grads = site_gradients(model, x, y)
-        g_x, g_sites, clean = grads.x, grads.sites, grads.clean
+        g_x, g_sites, clean, logits = grads.x, grads.sites, grads.clean, grads.logits
         jn = jacobian_norms(model, x)
-        logits, _ = forward(model, x)
         B, K = logits.shape
         wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
         wrong[torch.arange(B), y] = False
@@ -446,7 +441,7 @@ def taylor_bound(
             else _standard_block
         )
         blocks = [
-            make(model, k, clean, terms, jn, {s: g_sites[(k, s)] for s in SITES})
+            make(model, k, clean, terms, jn)
             for k, terms in enumerate(chain.attention_terms)
         ]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
@@ -468,17 +463,20 @@ def taylor_bound(
     def masked(t: Tensor) -> Tensor:
         return torch.where(wrong, t, torch.zeros_like(t))
 
+    def box(steps: list[BlockStep], cls: Tensor) -> dict[str, Tensor]:
+        """Every site's share with the clean margin gradients."""
+        sites = {f"block{k}.{n}": v for k, res in enumerate(steps)
+                 for n, v in res.shares(_block_sites(g_sites, k)).items()}
+        return {**sites, "norm": final(cls)}
+
     def walk(e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
         """Site shares, stream budgets and the class token's budget at ε ``(B,)``."""
         steps, budgets, cls = run(e)
-        sites = {f"block{k}.{n}": v for k, res in enumerate(steps)
-                 for n, v in res.sites.items()}
-        sites["norm"] = final(cls)
-        return {n: masked(v) for n, v in sites.items()}, budgets, cls
+        return {n: masked(v) for n, v in box(steps, cls).items()}, budgets, cls
 
     def remainders(e: Tensor) -> dict[str, Tensor]:
         steps, _, cls = run(e)
-        out = {"box": sum(v for res in steps for v in res.sites.values()) + final(cls)}
+        out = {"box": sum(box(steps, cls).values())}
         if steps[0].chord is not None:
             out["chord"] = (
                 _chord_bound(e, steps, grads) + final(cls) - grad_norm * e[:, None]
@@ -493,6 +491,11 @@ def taylor_bound(
         walk,
         chain.delta_out,
     )
+
+
+def _block_sites(g: dict[tuple[int, str], Tensor], k: int) -> dict[str, Tensor]:
+    """Block ``k``'s entries of a ``{(block, site): gradient}`` map, by site."""
+    return {s: g[(k, s)] for s in SITES}
 
 
 def _chord_bound(e: Tensor, steps: list[BlockStep], grads: MarginGradients) -> Tensor:
@@ -521,7 +524,7 @@ def _chord_bound(e: Tensor, steps: list[BlockStep], grads: MarginGradients) -> T
         g_x = g_x + dx
         g.update({key: g[key] + d for key, d in dsites.items()})
     for k, res in enumerate(steps):
-        shares = res.shares({s: g[(k, s)] for s in SITES})
+        shares = res.shares(_block_sites(g, k))
         total = total + shares["norm1"] + shares["attn"] + shares["norm2"]
     return total + torch.linalg.vector_norm(g_x.flatten(2), dim=-1) * e[:, None]
 
