@@ -128,6 +128,49 @@ def layer_project_remainder(
     return TokenRemainder(quad, lin)
 
 
+class RadialSplit(NamedTuple):
+    """LayerProject's remainder split as ``r = −σ x̂ + r'`` with ``σ ∈ [0, s]``
+    and ``‖r'‖`` bounded by ``rest`` (docs/taylor.md §3); ``s`` ``(B, T)``."""
+
+    s: Tensor
+    rest: TokenRemainder
+
+
+def layer_project_split(norms: Tensor, radius: float, caps: Tensor) -> RadialSplit:
+    """:func:`layer_project_remainder`'s radial part as a symbol, docs/taylor.md §3.
+
+    With ``y = x + Γ``, ``‖Γ‖ = b ≤ β`` and ``β < ‖x‖``, the part of ``r`` that
+    is linear in the crossing of the sphere is ``−σ ŷ``: ``σ = (‖y‖ − R)₊ ≤
+    (‖x‖ + β − R)₊`` inside, ``σ = (R − ‖y‖)₊ ≤ (β − (‖x‖ − R))₊`` outside.
+    Writing ``ŷ = x̂ + (ŷ − x̂)`` with ``‖ŷ − x̂‖ ≤ √2 b/‖x‖`` (the angle of
+    ``y`` to ``x`` is at most ``arcsin(b/‖x‖) < π/2``) and ``σ ≤ (b/β) s``
+    (``σ``'s bound is convex in ``b`` and 0 at 0) leaves
+
+        ‖r'‖ ≤ (√2 s/(‖x‖ β) + [‖x‖ ≥ R] R/(√3 (‖x‖ − β)²)) b²,
+
+    the second term the curvature of ``R y/‖y‖`` (as in
+    :func:`layer_project_remainder`). Where ``β ≥ ‖x‖``, or where the plain
+    bound is smaller, ``s = 0`` and ``rest`` is :func:`layer_project_remainder`.
+
+    Args:
+        norms: ``‖x‖`` of each projected vector, ``(B, T)``.
+        radius: ``R``.
+        caps: each vector's budget ``β`` ``(B, T)``.
+    """
+    plain = layer_project_remainder(norms, radius, caps)
+    n = norms
+    inside = n < radius
+    s = torch.where(inside, n + caps - radius, caps - (n - radius)).clamp_min(0)
+    gap = (n - caps).clamp_min(1e-300)
+    curve = torch.where(inside, torch.zeros_like(n), radius / (math.sqrt(3) * gap**2))
+    quad = math.sqrt(2) * per_budget(s, caps) / n.clamp_min(1e-300) + curve
+    split = (caps < n) & (quad * caps**2 <= plain.at(caps))
+    zero = torch.zeros_like(n)
+    rest = TokenRemainder(torch.where(split, quad, plain.quad),
+                          torch.where(split, zero, plain.lin))
+    return RadialSplit(torch.where(split, s, zero), rest)
+
+
 # --------------------------------------------------------------------------
 # LayerNorm: docs/taylor.md §4.
 # --------------------------------------------------------------------------
@@ -136,10 +179,13 @@ def layer_project_remainder(
 def layernorm_curvature(c_norm: Tensor, kappa: float, beta: Tensor) -> Tensor:
     """``½ sup ‖D²φ‖`` of ``φ(c) = c/√(‖c‖² + κ)`` on the ball, docs/taylor.md §4.
 
-    ``‖D²φ(c)[u,u]‖ ≤ 3 ‖c‖/(‖c‖² + κ)^{3/2} ‖u‖²``; the supremum of
-    ``h(r) = r/(r² + κ)^{3/2}`` over ``r ∈ [‖c‖ − β, ‖c‖ + β]`` (its maximum is
-    at ``r = √(κ/2)``). So ``‖φ(c + u) − φ(c) − Dφ(c)u‖ ≤ 1.5 h_max ‖u‖²`` for
-    ``‖u‖ ≤ β``.
+    With ``m = r² + κ``, ``τ = r²/m`` at ``‖c‖ = r``, the bracket of §4 is at
+    most ``4/(3τ)`` for ``τ ≥ 1/3`` and ``9(1 − τ)²`` below, so
+    ``‖D²φ(c)[u,u]‖ ≤ ψ(r) ‖u‖²`` with ``ψ(r) = 2/(√3 m)`` for ``r² ≥ κ/2``
+    and ``3 r κ/m^{5/2}`` below: increasing up to ``r = √κ/2``, decreasing
+    after. Its supremum over ``r ∈ [‖c‖ − β, ‖c‖ + β]`` is at the point of that
+    interval nearest ``√κ/2``, and ``‖φ(c + u) − φ(c) − Dφ(c)u‖ ≤ ½ ψ_max
+    ‖u‖²`` for ``‖u‖ ≤ β`` (Taylor, integral remainder).
 
     Args:
         c_norm: ``‖c_t‖`` of the centred tokens, ``(B, T)``.
@@ -147,21 +193,19 @@ def layernorm_curvature(c_norm: Tensor, kappa: float, beta: Tensor) -> Tensor:
         beta: ``(B,)`` or per-vector ``(B, T)``.
 
     Returns:
-        ``1.5 h_max``, ``(B, T)``: the quadratic coefficient of the remainder of
+        ``½ ψ_max``, ``(B, T)``: the quadratic coefficient of the remainder of
         ``φ`` (multiply by ``√D ‖γ ⊙ ·‖`` for LayerNorm).
     """
     b = beta[:, None] if beta.ndim == 1 else beta
     lo, hi = (c_norm - b).clamp_min(0), c_norm + b
-    peak = math.sqrt(kappa / 2)
-
-    def h(r: Tensor) -> Tensor:
-        return r / (r**2 + kappa) ** 1.5
-
-    inner = torch.full_like(
-        c_norm, h(torch.tensor(peak)).item() if kappa > 0 else math.inf
-    )
-    h_max = torch.where(hi <= peak, h(hi), torch.where(lo >= peak, h(lo), inner))
-    return 1.5 * h_max
+    r = torch.minimum(torch.maximum(lo, torch.full_like(lo, math.sqrt(kappa) / 2)), hi)
+    m = r**2 + kappa
+    if kappa == 0:
+        psi = 2 / (math.sqrt(3) * m)  # inf at r = 0
+    else:
+        psi = torch.where(r**2 >= kappa / 2, 2 / (math.sqrt(3) * m),
+                          3 * r * kappa / m**2.5)
+    return 0.5 * psi
 
 
 # --------------------------------------------------------------------------

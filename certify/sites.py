@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -279,3 +280,87 @@ def jacobian_norms(model: ViT, x: Tensor) -> JacobianNorms:
             [gram_norm(L.transpose(1, 2).flatten(3)) for L in logits], dim=1
         ),
     )
+
+
+# --------------------------------------------------------------------------
+# Exact sub-block Jacobian norms (the explicitly exact small-size mode).
+# --------------------------------------------------------------------------
+
+EXACT_MAX = 1024
+"""Largest token-matrix size ``N·D`` for which :func:`subblock_norms` forms a
+whole attention sub-block's ``(N·D) × (N·D)`` Jacobian (its cost grows as
+``(N·D)²`` per sample: about 0.25 s per sample at ``N·D = 544`` on one CPU
+core, 2.4 s at 1088); above it the certificate uses the product bounds alone."""
+
+
+@dataclass(frozen=True)
+class SubBlockNorms:
+    """Exact spectral norms of the clean point's sub-block Jacobians, rounded up
+    (docs/taylor.md §8): each is a valid ``λ`` of the budget recursion.
+
+    Attributes:
+        attn: ``(B, K)``: ``‖D(s ↦ s + attn(norm1(s)))‖`` at ``s_{2k}``.
+        bare: ``(B, K)``: ``‖D attn‖`` at the attention's input ``p_k``.
+        mlp: ``(B, K, N)``: the feed-forward sub-block's (``s + mlp(norm2(s))``,
+            or ``SLL(P₂(s))``) at ``s_{2k+1}``, per token (it is token-wise: its
+            norm is the largest token's ``D × D`` Jacobian norm).
+        unit: per block ``(B, N, m)``: ``‖∇_{s_t} z_{t,i}‖``, each
+            pre-activation's gradient norm w.r.t. its own token of ``s_{2k+1}``.
+        ffn: per block ``(B, N)``: ``‖D mlp‖`` per token at norm2's output
+            (standard family: ``‖W₂ diag(GELU′(z_t)) W₁‖``).
+    """
+
+    attn: Tensor
+    bare: Tensor
+    mlp: Tensor
+    unit: list[Tensor]
+    ffn: list[Tensor]
+
+
+def _dense_norm(fn, X: Tensor, chunk: int = 8) -> Tensor:
+    """``‖Dfn(X_b)‖`` ``(B,)`` of a map of token matrices ``(B, N, D) → (B, N, D)``:
+    the whole ``(N·D) × (N·D)`` Jacobian (forward mode), ``chunk`` samples at a
+    time, and its norm by :func:`gram_norm`."""
+    n = X[0].numel()
+    jac = torch.func.vmap(torch.func.jacfwd(lambda s: fn(s[None])[0]))
+    with torch.no_grad():
+        return torch.cat([gram_norm(jac(Xc).reshape(-1, n, n))
+                          for Xc in X.split(chunk)])
+
+
+def _token_tangents(fn, X: Tensor) -> Tensor:
+    """Per-token Jacobians of a token-wise map: ``(B, N, D, out)``, row ``d`` the
+    output tangent of ``e_d`` (at every token at once: the tokens do not mix)."""
+    B, N, D = X.shape
+    E = torch.eye(D, dtype=X.dtype, device=X.device)[:, None].expand(D, N, D)
+    with torch.no_grad(), fwAD.dual_level():
+        Y = fn(fwAD.make_dual(X.repeat_interleave(D, 0), E.repeat(B, 1, 1)))
+        T = fwAD.unpack_dual(Y).tangent  # (B·D, N, out)
+    return T.reshape(B, D, N, -1).transpose(1, 2)
+
+
+def subblock_norms(
+    model: ViT, clean: Record, max_size: int | None = None
+) -> SubBlockNorms | None:
+    """:class:`SubBlockNorms` at the clean point, by forward-mode AD; ``None``
+    when ``N·D > max_size`` (default :data:`EXACT_MAX`: the attention
+    sub-block's Jacobian would be too large to form)."""
+    X0 = clean.stream[0]
+    if X0[0].numel() > (EXACT_MAX if max_size is None else max_size):
+        return None
+    attn, bare, mlp, unit, ffn = [], [], [], [], []
+    for k, block in enumerate(model.blocks):
+        X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
+        attn.append(_dense_norm(
+            lambda s, b=block: s + _attention(b.attn, b.norm1(s)), X))
+        bare.append(_dense_norm(partial(_attention, block.attn), clean.attn_in[k]))
+        if model.config.family == "lipschitz":
+            ff = lambda s, b=block: b.mlp(b.norm2(s))  # noqa: E731
+        else:
+            ff = lambda s, b=block: s + b.mlp(b.norm2(s))  # noqa: E731
+        mlp.append(gram_norm(_token_tangents(ff, X_mid)))  # (B, N)
+        T_z = _token_tangents(lambda s, b=block: b.mlp.fc1(b.norm2(s)), X_mid)
+        unit.append(torch.linalg.vector_norm(T_z, dim=2) * (1 + 1e-12))  # (B, N, m)
+        ffn.append(gram_norm(_token_tangents(block.mlp, block.norm2(X_mid))))
+    return SubBlockNorms(torch.stack(attn, 1), torch.stack(bare, 1),
+                         torch.stack(mlp, 1), unit, ffn)

@@ -162,28 +162,79 @@ def propagate(
         spectral_norm(column) * torch.linalg.vector_norm(tail, dim=-1),
     )  # (B, N)
     X0 = clean.stream[2 * k + 2]  # (B, N, D): block k's output
-    first = 2 * k + 2  # index of X0 among the stream states
     idx = chosen.nonzero()  # (S, 3): sample, token, unit
     for rows in idx.split(chunk) if len(idx) else ():
         b, t, i = rows.unbind(1)
-        r = rho[b, t, i]  # (S,)
         T0 = torch.zeros_like(X0[b])  # (S, N, D)
         T0[torch.arange(len(rows)), t] = column[i]
         with torch.no_grad(), fwAD.dual_level():
             _, rec = forward_blocks(model, fwAD.make_dual(X0[b], T0), k + 1)
-            stream = [fwAD.unpack_dual(s).tangent for s in rec.stream]
-            attn_in = [fwAD.unpack_dual(p).tangent for p in rec.attn_in]
-            act_in = [fwAD.unpack_dual(a).tangent for a in rec.act_in]
-        h = r / 2  # (S,): ρ_i/2
-        for m, S in enumerate(stream, start=first):
-            carried.centre[m].index_add_(0, b, S * h[:, None, None])
-            carried.half_token[m].index_add_(0, b, _norm(S) * h[:, None])
-            carried.half[m].index_add_(0, b, _norm(S.flatten(1)) * h)
-        for kk, P in enumerate(attn_in, start=k + 1):
-            carried.attn_centre[kk].index_add_(0, b, P * h[:, None, None])
-            carried.attn_half[kk].index_add_(0, b, _norm(P.flatten(1)) * h)
-        for kk, Z in enumerate(act_in, start=k + 1):
-            carried.up[kk].index_add_(0, b, Z.clamp_min(0) * r[:, None, None])
-            carried.down[kk].index_add_(0, b, (-Z).clamp_min(0) * r[:, None, None])
-        carried.cls_half.index_add_(0, b, _norm(stream[-1][:, 0]) * h)
+            _carry(carried, rec, b, rho[b, t, i], 2 * k + 2, k + 1)
     return torch.linalg.vector_norm(tau, dim=-1)
+
+
+def propagate_radial(
+    model: ViT, clean: Record, k: int, site: str, s: Tensor, carried: Carried,
+    chunk: int = 512,
+) -> None:
+    """Add block ``k``'s LayerProject radial symbols to ``carried``, in place.
+
+    The projection at ``site`` (``"norm1"`` or ``"norm2"``) leaves a remainder
+    ``−σ x̂ + r'`` per projected vector, ``σ ∈ [0, s]``
+    (:func:`lipvit.certify.remainders.layer_project_split`); each ``σ`` with
+    ``s > 0`` is a symbol whose column is ``−x̂`` at the site's output (the
+    whole token matrix for a Frobenius projection, one token otherwise).
+
+    Args:
+        model: the lipschitz-family ViT, float64.
+        clean: the clean :class:`Record` of the batch.
+        k: the block.
+        site: ``"norm1"`` or ``"norm2"``.
+        s: ``(B, T)``: each vector's range (``T = 1`` Frobenius, ``N`` per token).
+        carried: updated for every site input from the site's output on.
+        chunk: symbols per forward-mode pass.
+    """
+    X_in = clean.stream[2 * k]  # (B, N, D): block k's input
+    X = X_in if site == "norm1" else clean.stream[2 * k + 1]  # the projected input
+    idx = (s > 0).nonzero()  # (S, 2): sample, vector
+    for rows in idx.split(chunk) if len(idx) else ():
+        b, t = rows.unbind(1)
+        if s.shape[1] == 1:  # the whole token matrix
+            T = -X[b] / torch.linalg.vector_norm(X[b], dim=(1, 2), keepdim=True)
+        else:
+            T = torch.zeros_like(X[b])  # (S, N, D)
+            x_t = X[b, t]  # (S, D)
+            T[torch.arange(len(rows)), t] = -x_t / torch.linalg.vector_norm(
+                x_t, dim=-1, keepdim=True)
+        with torch.no_grad(), fwAD.dual_level():
+            inject = {(k, site): fwAD.make_dual(torch.zeros_like(T), T)}
+            _, rec = forward_blocks(model, X_in[b], k, inject)
+            _carry(carried, rec, b, s[b, t], 2 * k, k)
+
+
+def _carry(carried: Carried, rec: Record, b: Tensor, r: Tensor, first_stream: int,
+           first_block: int) -> None:
+    """Add symbols ``r_i ∈ [0, ρ_i]`` (``r`` holds the ``ρ_i``, ``(S,)``, of samples
+    ``b``) to ``carried`` from a dual :class:`Record` of their columns' forward
+    pass, which starts at stream state ``first_stream`` and block
+    ``first_block``; values before the injection carry no tangent."""
+    h = r / 2  # (S,): ρ_i/2
+
+    def tangents(values: list[Tensor], start: int):
+        for m, v in enumerate(values, start=start):
+            T = fwAD.unpack_dual(v).tangent
+            if T is not None:
+                yield m, T
+
+    for m, S in tangents(rec.stream, first_stream):
+        carried.centre[m].index_add_(0, b, S * h[:, None, None])
+        carried.half_token[m].index_add_(0, b, _norm(S) * h[:, None])
+        carried.half[m].index_add_(0, b, _norm(S.flatten(1)) * h)
+    for kk, P in tangents(rec.attn_in, first_block):
+        carried.attn_centre[kk].index_add_(0, b, P * h[:, None, None])
+        carried.attn_half[kk].index_add_(0, b, _norm(P.flatten(1)) * h)
+    for kk, Z in tangents(rec.act_in, first_block):
+        carried.up[kk].index_add_(0, b, Z.clamp_min(0) * r[:, None, None])
+        carried.down[kk].index_add_(0, b, (-Z).clamp_min(0) * r[:, None, None])
+    last = fwAD.unpack_dual(rec.stream[-1]).tangent
+    carried.cls_half.index_add_(0, b, _norm(last[:, 0]) * h)

@@ -63,6 +63,7 @@ from lipvit.certify.remainders import (
     attention_remainder,
     gelu_curvature,
     layer_project_remainder,
+    layer_project_split,
     layernorm_curvature,
 )
 from lipvit.certify.sites import (
@@ -70,12 +71,14 @@ from lipvit.certify.sites import (
     JacobianNorms,
     MarginGradients,
     Record,
+    SubBlockNorms,
     check_supported,
     forward,
     jacobian_norms,
     site_gradients,
+    subblock_norms,
 )
-from lipvit.certify.symbols import Carried, flip_range, propagate
+from lipvit.certify.symbols import Carried, flip_range, propagate, propagate_radial
 from torch import Tensor
 
 from lipvit.layers import LayerProject
@@ -114,13 +117,19 @@ def _logit_radius(
 
 
 def _budget(
-    e: Tensor, jn: JacobianNorms, sym: Carried, m: int, acc: Tensor, chain: Tensor
+    e: Tensor, jn: JacobianNorms, sym: Carried, m: int, acc: Tensor, chain: Tensor,
+    acc_token: Tensor | None = None,
 ) -> Budget:
     """Stream state ``m``'s budget: the recursion ``‖J‖ε + Σ|G|ρ + acc`` (image,
-    ReLU symbols, other remainders), or the chain."""
+    ReLU symbols, other remainders), or the chain. ``acc_token`` ``(B, N)``:
+    optional per-token bounds on the other remainders (after a token-wise
+    sub-block); ``acc`` bounds every token's otherwise."""
     whole = torch.minimum(jn.stream[:, m] * e + sym.stream(m) + acc, chain)
+    acc_t = acc[:, None]
+    if acc_token is not None:
+        acc_t = torch.minimum(acc_token, acc_t)
     token = torch.minimum(
-        jn.stream_token[:, m] * e[:, None] + sym.stream_token(m) + acc[:, None],
+        jn.stream_token[:, m] * e[:, None] + sym.stream_token(m) + acc_t,
         whole[:, None],
     )
     return Budget(whole, token, acc)
@@ -134,6 +143,18 @@ def _projected_norms(t: Tensor, mode: str) -> Tensor:
     if mode == "token":
         return torch.linalg.vector_norm(t, dim=-1)
     return torch.linalg.vector_norm(t, dim=(-2, -1))[..., None]
+
+
+def _radial_share(g: Tensor, X: Tensor, mode: str, s: Tensor) -> Tensor:
+    """``Σ_t s_t (−g_tᵀx̂_t)₊`` ``(B, K)``: a margin's share of the radial symbols
+    ``−σ_t x̂_t``, ``σ_t ∈ [0, s_t]`` (exact over the box, docs/taylor.md §3);
+    ``g`` ``(B, K, N, D)`` the margins' gradients at the projection's output,
+    ``X`` ``(B, N, D)`` its clean input, ``s`` ``(B, T)``."""
+    dots = (g * X[:, None]).sum(-1)  # (B, K, N): g_tᵀx_t
+    if mode != "token":
+        dots = dots.sum(-1, keepdim=True)  # (B, K, 1): ⟨g, X⟩
+    x_norm = _projected_norms(X, mode)[:, None]  # (B, 1, T)
+    return (s[:, None] * (-dots / x_norm).clamp_min(0)).sum(-1)
 
 
 def _attn_share(g: Tensor, r_a: Tensor) -> Tensor:
@@ -168,8 +189,17 @@ BlockFn = Callable[[Tensor, Budget, Tensor, Tensor, Carried], BlockStep]
 BlockStep``; a lipschitz block adds its ReLU symbols to the :class:`Carried`."""
 
 
+def _tighter(bound: Tensor, exact: SubBlockNorms | None, name: str, k: int) -> Tensor:
+    """``bound`` or, where :func:`subblock_norms` ran, the smaller of it and the
+    exact clean-point norm ``exact.<name>`` of block ``k`` (both sound)."""
+    if exact is None:
+        return bound
+    return torch.minimum(bound, getattr(exact, name)[:, k])
+
+
 def _lipschitz_block(
-    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms, max_symbols: int
+    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms,
+    exact: SubBlockNorms | None, max_symbols: int
 ) -> BlockFn:
     """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7);
     the ReLU units that can flip become symbols (:mod:`lipvit.certify.symbols`)."""
@@ -182,7 +212,8 @@ def _lipschitz_block(
     L2_0 = layer_project_local_lipschitz(
         X_mid, P2.radius, zero, "token", per_token=True
     )
-    J_a = attention_jacobian_norm(terms)  # (B,)
+    J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)  # (B,)
+    lam_a = _tighter(1 + J_a * L1_0, exact, "attn", k)
     w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
     m_mid = 2 * k + 1
 
@@ -190,16 +221,20 @@ def _lipschitz_block(
         e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried
     ) -> BlockStep:
         caps1 = b.token if P1.mode == "token" else b.all[:, None]
-        r1 = layer_project_remainder(n1, P1.radius, caps1)
+        split1 = layer_project_split(n1, P1.radius, caps1)  # r = −σx̂ + r' (§3)
+        propagate_radial(model, clean, k, "norm1", split1.s, sym)
+        r1 = split1.rest
         r1_norm = r1.norm(b.all)
         # The attention's input moves by J_{p←x}Γ + (symbols) + J_P₁(acc) + r_P₁.
         L1 = layer_project_local_lipschitz(X, P1.radius, b.all, P1.mode)
         rest = sym.attn_in(k) + L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
-        acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm  # λ = 1 + ‖J_a‖‖J_P₁‖
+        acc_mid = lam_a * b.acc + r_a + J_a * r1_norm
         mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
-        r2 = layer_project_remainder(n_mid, P2.radius, mid.token)
+        split2 = layer_project_split(n_mid, P2.radius, mid.token)
+        propagate_radial(model, clean, k, "norm2", split2.s, sym)
+        r2 = split2.rest
         r2_t = r2.at(mid.token)  # (B, N)
         # Each unit's move up (down): ≤ ‖∇z_ti‖ε + Σ G⁺ρ (Σ G⁻ρ)
         #                             + ‖w_i‖(‖J_P₂,t‖ acc + ρ_P₂,t).
@@ -221,10 +256,12 @@ def _lipschitz_block(
         def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
             return {
                 "norm1": r1.weighted(_projected_norms(g["norm1"], P1.mode), b.all,
-                                     caps1),
+                                     caps1) + _radial_share(g["norm1"], X, P1.mode,
+                                                            split1.s),
                 "attn": _attn_share(g["attn"], r_a),
                 "norm2": r2.weighted(_projected_norms(g["norm2"], "token"), mid.all,
-                                     mid.token),
+                                     mid.token) + _radial_share(g["norm2"], X_mid,
+                                                                "token", split2.s),
                 # r ≥ 0, so only g⁺ counts
                 "act": (g["act"].clamp_min(0) * rho[:, None]).sum((-2, -1)),
             }
@@ -243,7 +280,7 @@ def _layernorm_parts(ln, X: Tensor) -> tuple[Tensor, Tensor, float]:
 
 
 def _layernorm_remainder(ln, X: Tensor, caps: Tensor) -> TokenRemainder:
-    """LayerNorm's per-token remainder ``‖γ‖_∞ √D 1.5 h_max b²``, docs/taylor.md §4."""
+    """LayerNorm's per-token remainder ``‖γ‖_∞ √D ½ψ_max b²``, docs/taylor.md §4."""
     c_norm, gamma, kappa = _layernorm_parts(ln, X)
     scale = gamma.abs().amax() * math.sqrt(X.shape[-1])
     q = scale * layernorm_curvature(c_norm, kappa, caps)
@@ -261,7 +298,8 @@ def _layernorm_weights(g: Tensor, ln) -> Tensor:
 
 
 def _standard_block(
-    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms
+    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms,
+    exact: SubBlockNorms | None
 ) -> BlockFn:
     """Sites of ``X + attn(LN₁(X))``, ``X+mlp(LN₂(X))``, docs/taylor.md §4, §6, §7.
     No symbols: every GELU unit has a remainder, bounded per unit."""
@@ -271,11 +309,20 @@ def _standard_block(
     zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
     L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
     L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
-    J_a = attention_jacobian_norm(terms)
+    J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)
+    lam_a = _tighter(1 + J_a * L1_0, exact, "attn", k)
     W1 = block.mlp.fc1.weight  # (m, D)
     w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
     W2_norm = spectral_norm(block.mlp.fc2.weight)
     mlp_lip = gelu_mlp_local_lipschitz(W1, block.mlp.fc2.weight)  # ≥ ‖W₂ diag W₁‖
+    lam_t = 1 + mlp_lip * L2_0  # (B, N): each token's sub-block Jacobian norm
+    if exact is not None:
+        lam_t = torch.minimum(lam_t, exact.mlp[:, k])
+    ffn = mlp_lip if exact is None else torch.minimum(exact.ffn[k], mlp_lip)  # (B, N)
+    # ‖∇_{s_t} z_ti‖ ≤ ‖w_i‖ ‖J_LN₂,t‖, or exact
+    gain = L2_0[..., None] * w1_norm  # (B, N, m)
+    if exact is not None:
+        gain = torch.minimum(gain, exact.unit[k])
     m_mid = 2 * k + 1
 
     def step(
@@ -289,28 +336,23 @@ def _standard_block(
         rest = L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
-        acc_mid = (1 + J_a * L1_0) * b.acc + r_a + J_a * r1_norm
+        acc_mid = lam_a * b.acc + r_a + J_a * r1_norm
         mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)
-        prop = L2_0 * mid.acc[:, None] + r2.at(mid.token)  # (B, N)
-        delta = jn.act_in[k] * e[:, None, None] + prop[..., None] * w1_norm  # (B, N, m)
+        delta = (jn.act_in[k] * e[:, None, None] + gain * mid.acc[:, None, None]
+                 + r2.at(mid.token)[..., None] * w1_norm)  # (B, N, m)
         L2 = layernorm_local_lipschitz(
             X_mid, ln2.weight, ln2.eps, mid.token.amax(-1), per_token=True
         )
         delta = torch.minimum(delta, (L2 * mid.token)[..., None] * w1_norm)
         r_gelu = 0.5 * gelu_curvature(z, delta) * delta**2  # (B, N, m) per unit
-        R_t = W2_norm * torch.linalg.vector_norm(r_gelu, dim=-1) + mlp_lip * r2.at(
-            mid.token
-        )
-        lam = 1 + mlp_lip * L2_0.amax(-1)
-        out = _budget(
-            e,
-            jn,
-            sym,
-            m_mid + 1,
-            lam * mid.acc + torch.linalg.vector_norm(R_t, dim=-1),
-            chain_out,
-        )
+        R_t = (W2_norm * torch.linalg.vector_norm(r_gelu, dim=-1)
+               + ffn * r2.at(mid.token))  # (B, N)
+        # The sub-block is token-wise: token t's other remainders are at most
+        # λ_t acc + R_t, and all of them ‖(λ_t acc + R_t)_t‖ ≤ max λ_t acc + ‖R‖.
+        acc_t = lam_t * mid.acc[:, None] + R_t  # (B, N)
+        acc_out = lam_t.amax(-1) * mid.acc + torch.linalg.vector_norm(R_t, dim=-1)
+        out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out, acc_t)
 
         def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
             return {
@@ -429,6 +471,7 @@ def taylor_bound(
         grads = site_gradients(model, x, y)
         g_x, g_sites, clean, logits = grads.x, grads.sites, grads.clean, grads.logits
         jn = jacobian_norms(model, x)
+        exact = subblock_norms(model, clean)
         B, K = logits.shape
         wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
         wrong[torch.arange(B), y] = False
@@ -441,7 +484,7 @@ def taylor_bound(
             else _standard_block
         )
         blocks = [
-            make(model, k, clean, terms, jn)
+            make(model, k, clean, terms, jn, exact)
             for k, terms in enumerate(chain.attention_terms)
         ]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])

@@ -9,7 +9,7 @@ import torch
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.certification import bisect_radius
 from lipvit.certify.sites import forward
-from lipvit.certify.symbols import Carried, flip_range, propagate
+from lipvit.certify.symbols import Carried, flip_range, propagate, propagate_radial
 from lipvit.certify.taylor import taylor_bound
 
 from lipvit.model import ViT
@@ -185,3 +185,57 @@ def test_bisect_radius_bracket_closed_form():
     )
     assert torch.all(r < truth) and torch.all(r > truth * (1 - 2e-4))
     assert all(float(p.max()) <= 1.0 for p in probes)
+
+
+@pytest.mark.parametrize("site, project", [("norm1", "frobenius"), ("norm1", "token"),
+                                           ("norm2", "token")])
+def test_radial_symbols_match_jvps(site, project):
+    """``propagate_radial``: each vector's column ``−x̂`` at the projection's output,
+    pushed through the clean linearised network (torch.func.jvp of the model with
+    an injection), scaled by ``s/2``; stream states and pre-activations."""
+    torch.manual_seed(0)
+    model = ViT(tiny_config("lipschitz", depth=2, attn_project=project)).double().eval()
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, clean = forward(model, x)
+    k = 0
+    X = clean.stream[0] if site == "norm1" else clean.stream[1]
+    T = 1 if site == "norm1" and project == "frobenius" else X.shape[1]
+    s = torch.rand(2, T, dtype=F64, generator=torch.Generator().manual_seed(2))
+    s[0, 0] = 0.0  # no symbol there
+    sym = Carried.zeros(clean)
+    propagate_radial(model, clean, k, site, s, sym, chunk=5)
+    if T == 1:
+        col = -X / X.flatten(1).norm(dim=1)[:, None, None]  # (B, N, D)
+        cols = [(col * s[:, 0, None, None], s[:, 0])]
+    else:
+        x_hat = -X / X.norm(dim=-1, keepdim=True)
+        cols = []
+        for t in range(T):
+            c = torch.zeros_like(X)
+            c[:, t] = x_hat[:, t] * s[:, t, None]
+            cols.append((c, s[:, t]))
+
+    def jvp(c):  # the linearised network's response to injecting c at the site
+        def run(a):
+            _, rec = forward(model, x, {(k, site): a * c})
+            return rec.stream, rec.act_in
+        return torch.func.jvp(run, (torch.zeros((), dtype=F64),),
+                              (torch.ones((), dtype=F64),))[1]
+
+    centre = [torch.zeros_like(S) for S in clean.stream]
+    up = [torch.zeros_like(z) for z in clean.act_in]
+    for c, _ in cols:
+        streams, acts = jvp(c)
+        for m, S in enumerate(streams):
+            centre[m] += S / 2
+        for kk, Z in enumerate(acts):
+            up[kk] += Z.clamp_min(0)
+    first = 2 * k + (1 if site == "norm1" else 2)
+    for m in range(len(clean.stream)):
+        assert torch.allclose(sym.centre[m], centre[m], rtol=1e-10, atol=1e-14)
+        if m < first:
+            assert torch.all(sym.centre[m] == 0)
+    for kk in range(len(clean.act_in)):
+        assert torch.allclose(sym.up[kk], up[kk], rtol=1e-10, atol=1e-14)
+    assert bool(sym.up[0].abs().sum() > 0)

@@ -22,6 +22,7 @@ from lipvit.certify.remainders import (
     attention_remainder,
     gelu_curvature,
     layer_project_remainder,
+    layer_project_split,
     layernorm_curvature,
     relu_remainder,
     softmax_curvature_constant,
@@ -84,6 +85,40 @@ def test_layer_project_remainder_bounds_brute_force(seed, norm, beta):
         pgd_deviation(r, x[None], beta, steps=40, restarts=2)[0],
     )
     assert found <= bound * (1 + 1e-9) + 1e-15
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("norm", [0.3, 0.98, 1.0, 1.02, 1.5, 4.0])
+@pytest.mark.parametrize("beta", [0.05, 0.5])
+def test_layer_project_split_brute_force(seed, norm, beta):
+    """``r = −σx̂ + r'``: ``σ ∈ [0, s]`` and ``‖r'‖ ≤ rest`` over the ball (§3)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, generator=g, dtype=F64)
+    x = x / x.norm() * norm
+    R, n = 1.0, x.norm()[None, None]  # the actual norm decides the side
+    split = layer_project_split(n, R, torch.tensor([[beta]], dtype=F64))
+    s = float(split.s)
+    r = _remainder_fn(lambda v: layer_project(v, R), x)
+    x_hat = x / x.norm()
+
+    def sigma(U):
+        y = U.norm(dim=-1, keepdim=True)
+        return ((y - R) if float(n) < R else (R - y)).clamp_min(0)
+
+    def rest(U):  # r + σ x̂ where the split holds (s > 0), r otherwise
+        return r(U) + (sigma(U) * x_hat if s > 0 else 0)
+
+    G = torch.randn(400, 5, generator=g, dtype=F64)
+    U = x + beta * G / G.norm(dim=1, keepdim=True) * torch.rand(400, 1, generator=g,
+                                                                  dtype=F64) ** 0.2
+    if s > 0:
+        assert float(sigma(U).max()) <= s * (1 + 1e-9)
+    bound = float(split.rest.at(torch.tensor([[beta]], dtype=F64)))
+    found = max(float(rest(U).norm(dim=1).max()),
+                float(pgd_deviation(rest, x[None], beta, steps=40, restarts=2)[0]))
+    assert found <= bound * (1 + 1e-9) + 1e-15
+    if (norm, beta) in ((0.98, 0.05), (1.02, 0.05), (1.0, 0.5)):
+        assert s > 0  # the ball crosses the sphere: a symbol
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -207,10 +242,15 @@ def test_forward_is_the_model(family, seed):
         ("lipschitz", {"num_heads": 1}),
         ("standard", {}),
         ("standard", {"depth": 1}),
+        ("standard", {"exact": False}),
+        ("lipschitz", {"exact": False}),
     ],
 )
 @pytest.mark.parametrize("seed", range(2))
-def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed):
+def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed, monkeypatch):
+    kw = dict(kw)
+    if not kw.pop("exact", True):  # the product bounds alone (large models)
+        monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
     model = _model(family, seed, **kw)
     x = torch.rand(3, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -368,3 +408,39 @@ def test_logit_jacobian_norms_are_exact(family):
             J = torch.func.jacrev(logits)(x[b])  # (H, N, N, 1, 8, 8)
             exact = torch.linalg.matrix_norm(J.flatten(1, 2).flatten(2), ord=2)  # (H,)
             assert torch.allclose(jn.logits[b, k], exact, rtol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["lipschitz", "standard"])
+def test_subblock_norms_are_exact(family):
+    from lipvit.certify.sites import subblock_norms
+
+    model = _model(family, 1)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        clean = forward(model, x)[1]
+    sub = subblock_norms(model, clean)
+
+    def norm(fn, v):  # ‖Dfn(v)‖ of one token matrix (or token) from the dense Jacobian
+        J = torch.func.jacrev(fn)(v)
+        return torch.linalg.matrix_norm(J.reshape(fn(v).numel(), v.numel()), ord=2)
+
+    for k, blk in enumerate(model.blocks):
+        X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
+        for b in range(2):
+            attn = norm(lambda v, blk=blk: v + blk.attn(blk.norm1(v[None]))[0], X[b])
+            bare = norm(lambda v, blk=blk: blk.attn(v[None])[0], clean.attn_in[k][b])
+            assert torch.allclose(sub.attn[b, k], attn, rtol=1e-9)
+            assert torch.allclose(sub.bare[b, k], bare, rtol=1e-9)
+            for t in (0, 5):
+                def ff(v, blk=blk):
+                    out = blk.mlp(blk.norm2(v[None, None]))[0, 0]
+                    return out if family == "lipschitz" else v + out
+                exact = norm(ff, X_mid[b, t])
+                assert torch.allclose(sub.mlp[b, k, t], exact, rtol=1e-9)
+                J_z = torch.func.jacrev(lambda v, blk=blk: blk.mlp.fc1(blk.norm2(v)))(
+                    X_mid[b, t][None])[0, :, 0]  # (m, D)
+                assert torch.allclose(sub.unit[k][b, t], J_z.norm(dim=1), rtol=1e-9)
+                q = blk.norm2(X_mid[b, t][None])[0]
+                ffn = norm(lambda v, blk=blk: blk.mlp(v[None])[0], q)
+                assert torch.allclose(sub.ffn[k][b, t], ffn, rtol=1e-9)
+    assert subblock_norms(model, clean, max_size=10) is None
