@@ -289,9 +289,26 @@ def attention_jacobian_norm(terms: LoFASTTerms) -> Tensor:
     """
     if terms.residual:
         raise ValueError("attention_jacobian_norm expects the bare attention (H = 0)")
+    return terms.zeta + _softmax_path(terms)
+
+
+def _softmax_path(terms: LoFASTTerms) -> Tensor:
+    """``Σ_h c_h ‖M_h(X)‖ ‖Π X M_h‖/√d`` ``(B,)``: the softmax path's share of
+    ``‖J_a‖`` (:func:`attention_jacobian_norm`)."""
     c0 = softmax_local_constant(terms.logits, torch.zeros_like(terms.m_norm))  # (B, H)
-    soft = (c0 * terms.m_norm * terms.xm_centred).sum(-1) / math.sqrt(terms.head_dim)
-    return terms.zeta + soft
+    return (c0 * terms.m_norm * terms.xm_centred).sum(-1) / math.sqrt(terms.head_dim)
+
+
+def attention_row_norms(terms: LoFASTTerms) -> Tensor:
+    """Upper bounds on ``‖(J_a Γ)_t‖/‖Γ‖_F`` per output token ``t``, ``(B, N)``,
+    docs/taylor.md §8: the value path's row ``Σ_h P_h[t,:] Γ W_vo[h]`` is at
+    most ``Σ_h ‖P_h[t,:]‖₂ ‖W_vo[h]‖ ‖Γ‖_F`` (Cauchy–Schwarz over tokens), the
+    softmax path's at most its whole-matrix bound (as in
+    :func:`attention_jacobian_norm`). A near-uniform attention gives about
+    ``1/√N`` of the whole norm."""
+    P = torch.softmax(terms.logits, dim=-1)  # (B, H, N, N)
+    value = (torch.linalg.vector_norm(P, dim=-1) * terms.vo_norm[:, None]).sum(1)
+    return value + _softmax_path(terms)[:, None]
 
 
 def attention_remainder(

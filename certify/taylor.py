@@ -61,6 +61,7 @@ from lipvit.certify.remainders import (
     TokenRemainder,
     attention_jacobian_norm,
     attention_remainder,
+    attention_row_norms,
     gelu_curvature,
     layer_project_remainder,
     layer_project_split,
@@ -98,12 +99,22 @@ ROUNDING = 1e-9
 class Budget(NamedTuple):
     """Perturbation bounds on a stream state: Frobenius ``all`` ``(B,)``, per
     token ``token`` ``(B, N)``, and ``acc`` ``(B,)``, a bound on the part of the
-    perturbation that is neither ``J_{s←x} Γ`` nor the ReLU symbols' (the other
-    sites' propagated remainders)."""
+    perturbation that is neither ``J_{s←x} Γ`` nor the symbols' (the other
+    sites' propagated remainders), and ``acc_token`` ``(B, N)`` the same per
+    token."""
 
     all: Tensor
     token: Tensor
     acc: Tensor
+    acc_token: Tensor
+
+
+def _acc_rows(b: Budget, J_row: Tensor, into: Tensor, r_a: Tensor) -> Tensor:
+    """Per-token ``acc`` after an attention sub-block ``(B, N)``: token ``t`` keeps
+    its own ``acc_t`` (the residual) and receives at most ``‖(J_a)_t‖`` times the
+    bound ``into`` ``(B,)`` on the attention input's other perturbations, plus
+    the attention's whole remainder ``r_a`` (docs/taylor.md §8)."""
+    return b.acc_token + J_row * into[:, None] + r_a[:, None]
 
 
 def _logit_radius(
@@ -121,18 +132,18 @@ def _budget(
     acc_token: Tensor | None = None,
 ) -> Budget:
     """Stream state ``m``'s budget: the recursion ``‖J‖ε + Σ|G|ρ + acc`` (image,
-    ReLU symbols, other remainders), or the chain. ``acc_token`` ``(B, N)``:
-    optional per-token bounds on the other remainders (after a token-wise
-    sub-block); ``acc`` bounds every token's otherwise."""
+    symbols, other remainders), or the chain. ``acc_token`` ``(B, N)``:
+    optional per-token bounds on the other remainders; ``acc`` bounds every
+    token's too."""
     whole = torch.minimum(jn.stream[:, m] * e + sym.stream(m) + acc, chain)
-    acc_t = acc[:, None]
+    acc_t = acc[:, None].expand(-1, jn.stream_token.shape[-1])
     if acc_token is not None:
         acc_t = torch.minimum(acc_token, acc_t)
     token = torch.minimum(
         jn.stream_token[:, m] * e[:, None] + sym.stream_token(m) + acc_t,
         whole[:, None],
     )
-    return Budget(whole, token, acc)
+    return Budget(whole, token, acc, acc_t)
 
 
 def _projected_norms(t: Tensor, mode: str) -> Tensor:
@@ -214,6 +225,7 @@ def _lipschitz_block(
     )
     J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)  # (B,)
     lam_a = _tighter(1 + J_a * L1_0, exact, "attn", k)
+    J_row = torch.minimum(attention_row_norms(terms), J_a[:, None])  # (B, N)
     w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
     m_mid = 2 * k + 1
 
@@ -231,14 +243,15 @@ def _lipschitz_block(
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         acc_mid = lam_a * b.acc + r_a + J_a * r1_norm
-        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
+        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid,
+                      _acc_rows(b, J_row, L1_0 * b.acc + r1_norm, r_a))
         split2 = layer_project_split(n_mid, P2.radius, mid.token)
         propagate_radial(model, clean, k, "norm2", split2.s, sym)
         r2 = split2.rest
         r2_t = r2.at(mid.token)  # (B, N)
         # Each unit's move up (down): ≤ ‖∇z_ti‖ε + Σ G⁺ρ (Σ G⁻ρ)
         #                             + ‖w_i‖(‖J_P₂,t‖ acc + ρ_P₂,t).
-        prop = L2_0 * mid.acc[:, None] + r2_t  # (B, N)
+        prop = L2_0 * mid.acc_token + r2_t  # (B, N)
         L2 = layer_project_local_lipschitz(
             X_mid, P2.radius, mid.token.amax(-1), "token", per_token=True
         )
@@ -251,7 +264,8 @@ def _lipschitz_block(
         # P₂'s remainder passes the linearised SLL (norm ≤ 1); the ReLU's are
         # symbols, but for the tail (bounded in norm).
         acc_out = mid.acc + torch.linalg.vector_norm(r2_t, dim=-1) + tail
-        out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out)
+        out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out,
+                      mid.acc_token + r2_t + tail[:, None])
 
         def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
             return {
@@ -311,6 +325,7 @@ def _standard_block(
     L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
     J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)
     lam_a = _tighter(1 + J_a * L1_0, exact, "attn", k)
+    J_row = torch.minimum(attention_row_norms(terms), J_a[:, None])  # (B, N)
     W1 = block.mlp.fc1.weight  # (m, D)
     w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
     W2_norm = spectral_norm(block.mlp.fc2.weight)
@@ -337,9 +352,10 @@ def _standard_block(
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         acc_mid = lam_a * b.acc + r_a + J_a * r1_norm
-        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid)
+        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid,
+                      _acc_rows(b, J_row, L1_0 * b.acc + r1_norm, r_a))
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)
-        delta = (jn.act_in[k] * e[:, None, None] + gain * mid.acc[:, None, None]
+        delta = (jn.act_in[k] * e[:, None, None] + gain * mid.acc_token[..., None]
                  + r2.at(mid.token)[..., None] * w1_norm)  # (B, N, m)
         L2 = layernorm_local_lipschitz(
             X_mid, ln2.weight, ln2.eps, mid.token.amax(-1), per_token=True
@@ -350,7 +366,7 @@ def _standard_block(
                + ffn * r2.at(mid.token))  # (B, N)
         # The sub-block is token-wise: token t's other remainders are at most
         # λ_t acc + R_t, and all of them ‖(λ_t acc + R_t)_t‖ ≤ max λ_t acc + ‖R‖.
-        acc_t = lam_t * mid.acc[:, None] + R_t  # (B, N)
+        acc_t = lam_t * mid.acc_token + R_t  # (B, N)
         acc_out = lam_t.amax(-1) * mid.acc + torch.linalg.vector_norm(R_t, dim=-1)
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out, acc_t)
 
@@ -500,7 +516,8 @@ def taylor_bound(
             budgets += [res.mid, res.out]
             budget = res.out
             steps.append(res)
-        cls = torch.minimum(jn.cls * e + sym.cls() + budget.acc, budget.token[:, 0])
+        cls = torch.minimum(jn.cls * e + sym.cls() + budget.acc_token[:, 0],
+                            budget.token[:, 0])
         return steps, budgets, torch.minimum(cls, trace[:, 2 + 2 * len(blocks), 1])
 
     def masked(t: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from lipvit.certify.remainders import (
     GELU_CURVATURE_MAX,
     attention_jacobian_norm,
     attention_remainder,
+    attention_row_norms,
     gelu_curvature,
     layer_project_remainder,
     layer_project_split,
@@ -201,6 +202,9 @@ def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale
     assert torch.linalg.matrix_norm(J, ord=2) <= attention_jacobian_norm(terms)[0] * (
         1 + 1e-9
     )
+    rows = attention_row_norms(terms)[0]  # (N,): each output token's block of rows
+    exact = torch.linalg.matrix_norm(J.reshape(N, 4, N * 4), ord=2)
+    assert torch.all(exact <= rows * (1 + 1e-9))
     r = _remainder_fn(a, X[0])
     for beta in (1e-3, 0.05, 0.3):
         bound = attention_remainder(terms, torch.tensor([beta], dtype=F64))[0]
