@@ -58,7 +58,7 @@ def main() -> None:
     t_lofast = time.process_time() - t0
 
     pgd = pgd_margin_drop(model, x, y, args.eps, steps=args.steps).amax(1).detach()
-    taylor = tb.margin_drop(args.eps).amax(1)
+    taylor = tb.margin_drop(args.eps).amax(1).detach()
     lofast = math.sqrt(2) * nb.delta_out(args.eps)
     seen = pgd > 0
     t0 = time.process_time()
