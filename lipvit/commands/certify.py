@@ -212,7 +212,8 @@ def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, confi
             radius=True,  # cheap for the bound methods; shown with --radius
             radius_tol=radius_tol,
             batch_size=batch_size,
-            progress=bar.update,
+            # shares of a sample add up to the total only up to float rounding
+            progress=lambda done: bar.update(min(done, bar.total - bar.n)),
         )
     return report_record(report)
 
