@@ -1,4 +1,5 @@
-"""ReLU flip symbols: the SLL units that can change sign, propagated exactly.
+"""Symbols: remainders with a fixed column, propagated exactly (ReLU flips, and
+LayerProject's radial part, :func:`propagate_radial`).
 
 docs/taylor.md §5. At ε, unit ``i`` (token ``t``) of block ``k`` has clean
 pre-activation ``z_i`` and ``|Δz_i| ≤ δ_i``. Its remainder

@@ -109,12 +109,44 @@ class Budget(NamedTuple):
     acc_token: Tensor
 
 
-def _acc_rows(b: Budget, J_row: Tensor, into: Tensor, r_a: Tensor) -> Tensor:
-    """Per-token ``acc`` after an attention sub-block ``(B, N)``: token ``t`` keeps
-    its own ``acc_t`` (the residual) and receives at most ``‖(J_a)_t‖`` times the
-    bound ``into`` ``(B,)`` on the attention input's other perturbations, plus
-    the attention's whole remainder ``r_a`` (docs/taylor.md §8)."""
-    return b.acc_token + J_row * into[:, None] + r_a[:, None]
+class AttentionGains(NamedTuple):
+    """Clean-point Jacobian bounds of a block's attention sub-block ``s ↦ s +
+    attn(N(s))`` (docs/taylor.md §8): ``J_a`` ``(B,)`` of the bare attention,
+    ``lam`` ``(B,)`` of the sub-block, ``rows`` ``(B, N)`` per output token of the
+    bare attention, ``L_N`` ``(B,)`` of the norm ``N``."""
+
+    J_a: Tensor
+    lam: Tensor
+    rows: Tensor
+    L_N: Tensor
+
+
+def _attention_gains(
+    terms, L_N: Tensor, exact: SubBlockNorms | None, k: int
+) -> AttentionGains:
+    """:class:`AttentionGains` of block ``k``: the product bounds, or the exact
+    norms where :func:`subblock_norms` ran and they are smaller."""
+    J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)
+    lam = _tighter(1 + J_a * L_N, exact, "attn", k)
+    rows = torch.minimum(attention_row_norms(terms), J_a[:, None])
+    return AttentionGains(J_a, lam, rows, L_N)
+
+
+def _after_attention(
+    e: Tensor, jn: JacobianNorms, sym: Carried, m: int, b: Budget,
+    a: AttentionGains, r_N: Tensor, r_a: Tensor, chain: Tensor
+) -> Budget:
+    """Stream state ``m``'s budget after the attention sub-block, docs/taylor.md §8.
+
+    The other remainders grow to ``λ acc + r_a + ‖J_a‖ ‖r_N‖`` (``r_N`` the
+    norm's remainder, ``r_a`` the attention's); token ``t`` keeps its own
+    ``acc_t`` (the residual) and receives at most ``‖(J_a)_t‖`` times the
+    attention input's other perturbations ``‖J_N‖ acc + ‖r_N‖``, plus ``r_a``.
+    """
+    acc = a.lam * b.acc + r_a + a.J_a * r_N
+    into = a.L_N * b.acc + r_N  # (B,)
+    acc_token = b.acc_token + a.rows * into[:, None] + r_a[:, None]
+    return _budget(e, jn, sym, m, acc, chain, acc_token)
 
 
 def _logit_radius(
@@ -223,9 +255,7 @@ def _lipschitz_block(
     L2_0 = layer_project_local_lipschitz(
         X_mid, P2.radius, zero, "token", per_token=True
     )
-    J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)  # (B,)
-    lam_a = _tighter(1 + J_a * L1_0, exact, "attn", k)
-    J_row = torch.minimum(attention_row_norms(terms), J_a[:, None])  # (B, N)
+    gains = _attention_gains(terms, L1_0, exact, k)
     w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
     m_mid = 2 * k + 1
 
@@ -242,9 +272,7 @@ def _lipschitz_block(
         rest = sym.attn_in(k) + L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
-        acc_mid = lam_a * b.acc + r_a + J_a * r1_norm
-        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid,
-                      _acc_rows(b, J_row, L1_0 * b.acc + r1_norm, r_a))
+        mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid)
         split2 = layer_project_split(n_mid, P2.radius, mid.token)
         propagate_radial(model, clean, k, "norm2", split2.s, sym)
         r2 = split2.rest
@@ -323,9 +351,7 @@ def _standard_block(
     zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
     L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
     L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
-    J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)
-    lam_a = _tighter(1 + J_a * L1_0, exact, "attn", k)
-    J_row = torch.minimum(attention_row_norms(terms), J_a[:, None])  # (B, N)
+    gains = _attention_gains(terms, L1_0, exact, k)
     W1 = block.mlp.fc1.weight  # (m, D)
     w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
     W2_norm = spectral_norm(block.mlp.fc2.weight)
@@ -351,9 +377,7 @@ def _standard_block(
         rest = L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
-        acc_mid = lam_a * b.acc + r_a + J_a * r1_norm
-        mid = _budget(e, jn, sym, m_mid, acc_mid, chain_mid,
-                      _acc_rows(b, J_row, L1_0 * b.acc + r1_norm, r_a))
+        mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)
         delta = (jn.act_in[k] * e[:, None, None] + gain * mid.acc_token[..., None]
                  + r2.at(mid.token)[..., None] * w1_norm)  # (B, N, m)
