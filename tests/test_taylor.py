@@ -448,3 +448,27 @@ def test_subblock_norms_are_exact(family):
                 ffn = norm(lambda v, blk=blk: blk.mlp(v[None])[0], q)
                 assert torch.allclose(sub.ffn[k][b, t], ffn, rtol=1e-9)
     assert subblock_norms(model, clean, max_size=10) is None
+
+
+@pytest.mark.parametrize("family, exact", [("standard", True), ("standard", False),
+                                           ("lipschitz", True)])
+@pytest.mark.parametrize("seed", range(2))
+def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
+    """Every stream state's whole and per-token budgets (``acc_token``, the exact
+    sub-block norms, the attention's row bounds) exceed what PGD finds."""
+    if not exact:
+        monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
+    model = _model(family, seed)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    tb = taylor_bound(model, x, y)
+    for eps in (1e-3, 3e-2):
+        _, budgets, _ = tb.walk(torch.full((2,), eps, dtype=F64))
+        for m, budget in enumerate(budgets):
+            for t in (0, 7):
+                def token(v, m=m, t=t):
+                    return forward(model, v)[1].stream[m][:, t]
+                found = pgd_deviation(token, x, eps, steps=30, restarts=2)
+                assert torch.all(found <= budget.token[:, t] * (1 + 1e-9)), (eps, m, t)
+                assert torch.all(budget.token[:, t] <= budget.all * (1 + 1e-12))
