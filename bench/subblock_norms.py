@@ -1,0 +1,58 @@
+"""Exact clean-point sub-block Jacobian norms against the product bounds (issue 12).
+
+For the attention sub-block ``s ↦ s + attn(N(s))`` of every block, on the test
+points of a checkpoint (the same seeded subsample as ``lipvit certify --n``):
+the product bound ``1 + ‖J_a‖ ‖J_N‖`` that the ``taylor`` budget recursion uses
+for large models, and the exact norm that
+:func:`lipvit.certify.sites.subblock_norms` computes from the whole
+``(N·D) × (N·D)`` Jacobian (docs/taylor.md §8); ranges over the points.
+
+Usage::
+
+    python bench/subblock_norms.py --ckpt msvp.pt --n 20
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from lipvit.certify.local import layer_project_local_lipschitz, layernorm_local_lipschitz
+from lipvit.certify.network import network_bound
+from lipvit.certify.remainders import attention_jacobian_norm
+from lipvit.certify.sites import forward, subblock_norms
+
+from lipvit.commands import _common as C
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--n", type=int, default=20)
+    args = parser.parse_args()
+    ckpt = C.load_checkpoint(args.ckpt)
+    model = ckpt.model.double().eval()
+    x = C.load_test_set(ckpt, n=args.n).x.double()
+    with torch.no_grad():
+        clean = forward(model, x)[1]
+        exact = subblock_norms(model, clean, max_size=x[0].numel() * 10**6)
+        terms = network_bound(model, x, "lofast").attention_terms
+        zero = torch.zeros(len(x), dtype=x.dtype)
+        print(f"{args.ckpt}: n={len(x)}, N·D={clean.stream[0][0].numel()}")
+        print("| block | product bound 1 + ‖J_a‖‖J_N‖ | exact ‖J_sub‖ | ratio |")
+        print("|---|---|---|---|")
+        for k, block in enumerate(model.blocks):
+            X, norm = clean.stream[2 * k], block.norm1
+            if model.config.family == "lipschitz":
+                L_N = layer_project_local_lipschitz(X, norm.radius, zero, norm.mode)
+            else:
+                L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, zero)
+            product = 1 + attention_jacobian_norm(terms[k]) * L_N
+            ex, ratio = exact.attn[:, k], product / exact.attn[:, k]
+            print(f"| {k} | {product.min():.3g}–{product.max():.3g} "
+                  f"| {ex.min():.3g}–{ex.max():.3g} "
+                  f"| {ratio.min():.3g}–{ratio.max():.3g} |")
+
+
+if __name__ == "__main__":
+    main()
