@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from lipvit.certify.local import layer_project_local_lipschitz, layernorm_local_lipschitz
+from lipvit.certify.local import (
+    layer_project_local_lipschitz,
+    layernorm_local_lipschitz,
+)
 from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward, subblock_norms
