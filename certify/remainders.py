@@ -171,6 +171,42 @@ def layer_project_split(norms: Tensor, radius: float, caps: Tensor) -> RadialSpl
     return RadialSplit(torch.where(split, s, zero), rest)
 
 
+def layer_project_directional(
+    norms: Tensor, radius: float, beta: Tensor, radial: Tensor
+) -> RadialSplit:
+    """The remainder of a projection outside its ball as ``r = −τ x̂ + c Γ_⊥``,
+    given ``|x̂ᵀΓ| ≤ A``, docs/taylor.md §3 (direction-aware split).
+
+    With ``n = ‖x‖ ≥ R``, ``‖Γ‖ ≤ β < n``, ``Γ_⊥ = Γ − (x̂ᵀΓ) x̂``,
+    ``κ = β²/(2(n − β)²)``, the move of the norm ``|‖x + Γ‖ − n| ≤ Δ =
+    min(β, A + β²/(2(n − β)))`` and the crossing ``(R − ‖x + Γ‖)₊ ≤ σ̄ =
+    (R − n + Δ)₊``: ``τ ∈ [0, s]``, ``s = Rκ + σ̄``, and
+    ``|c| ≤ l = R Δ/(n(n − β)) + σ̄/(n − β)``, so ``‖cΓ_⊥‖ ≤ l β`` and a margin
+    with gradient ``g`` takes ``s (−gᵀx̂)₊ + l |g_⊥ᵀΓ|``: third order in ``β``
+    when ``A`` and ``|g_⊥ᵀΓ|`` are first order. Where it does not apply
+    (``n < R`` or ``β ≥ n``), ``s = 0`` and ``l = +inf``.
+
+    Args:
+        norms: ``‖x‖`` ``(B, 1)`` (one projected matrix).
+        radius: ``R``.
+        beta: ``β`` ``(B, 1)``.
+        radial: ``A`` ``(B, 1)``.
+
+    Returns:
+        :class:`RadialSplit` with ``rest = (0, l)``.
+    """
+    n, b = norms, beta
+    gap = (n - b).clamp_min(1e-300)
+    move = torch.minimum(b, radial + b**2 / (2 * gap))  # Δ
+    cross = (radius - n + move).clamp_min(0)  # σ̄
+    s = radius * b**2 / (2 * gap**2) + cross
+    lin = radius * move / (n * gap) + cross / gap
+    valid = (n >= radius) & (b < n)
+    rest = TokenRemainder(torch.zeros_like(n),
+                          torch.where(valid, lin, torch.full_like(lin, math.inf)))
+    return RadialSplit(torch.where(valid, s, torch.zeros_like(s)), rest)
+
+
 # --------------------------------------------------------------------------
 # LayerNorm: docs/taylor.md §4.
 # --------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def forward_blocks(
 @dataclass
 class MarginGradients:
     """Gradients of every margin ``f_j − f_y`` w.r.t. the image and each site, and
-    the graph they came from (for :meth:`through_act`).
+    the graph they came from (for :meth:`through_act`, :meth:`through_stream`).
 
     Attributes:
         x: ``(B, K, C, S, S)``: the image gradients.
@@ -142,23 +142,34 @@ class MarginGradients:
     _xr: Tensor
     _inject: Inject
     _act_in: list[Tensor]
+    _stream: list[Tensor]
 
     def through_act(self, k: int, v: Tensor) -> tuple[Tensor, Inject]:
         """``J_{z_k←x}ᵀ v`` and ``G_{z_k←φ}ᵀ v`` for every site ``φ`` before block
         ``k``'s activation: the clean linearised network's response, at the image
         and at those sites, to weights ``v`` ``(B, K, N, m)`` on block ``k``'s
         pre-activations (one backward pass through the kept graph)."""
-        B, K = v.shape[:2]
         keys = [key for key in self._inject if 0 <= key[0] < k
                 or (key[0] == k and key[1] != "act")]
+        return self._back(self._act_in[k], keys, v)
+
+    def through_stream(self, k: int, v: Tensor) -> tuple[Tensor, Inject]:
+        """As :meth:`through_act`, for weights ``v`` ``(B, K, N, D)`` on block
+        ``k``'s input ``s_{2k}``: the sites of the blocks before ``k``."""
+        keys = [key for key in self._inject if 0 <= key[0] < k]
+        return self._back(self._stream[2 * k], keys, v)
+
+    def _back(self, out: Tensor, keys: list, v: Tensor) -> tuple[Tensor, Inject]:
+        """``∂⟨v, out⟩`` w.r.t. the image and the sites ``keys``, by copy."""
+        B, K = v.shape[:2]
         with torch.enable_grad():
             grads = torch.autograd.grad(
-                self._act_in[k], [self._xr, *(self._inject[q] for q in keys)],
+                out, [self._xr, *(self._inject[q] for q in keys)],
                 grad_outputs=v.reshape(B * K, *v.shape[2:]), retain_graph=True,
             )
-        out = {q: g.reshape(B, K, *g.shape[1:]) for q, g in zip(keys, grads[1:],
-                                                                strict=True)}
-        return grads[0].reshape(B, K, *grads[0].shape[1:]), out
+        sites = {q: g.reshape(B, K, *g.shape[1:]) for q, g in zip(keys, grads[1:],
+                                                                  strict=True)}
+        return grads[0].reshape(B, K, *grads[0].shape[1:]), sites
 
 
 def site_gradients(model: ViT, x: Tensor, y: Tensor) -> MarginGradients:
@@ -200,7 +211,7 @@ def site_gradients(model: ViT, x: Tensor, y: Tensor) -> MarginGradients:
         for key, g in zip(inject, grads[1:], strict=True)
     }
     return MarginGradients(grads[0].reshape(B, K, *x.shape[1:]), g_sites, clean,
-                           logits0, xr, inject, rec.act_in)
+                           logits0, xr, inject, rec.act_in, rec.stream)
 
 
 def gram_norm(T: Tensor) -> Tensor:

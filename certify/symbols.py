@@ -19,9 +19,11 @@ tangent per symbol. Hence, with the exact per-coefficient interval bound,
 
 * a later pre-activation: ``Σ_i G_{z,i} r_i ∈ [−Σ_i G⁻_{z,i} ρ_i, Σ_i G⁺_{z,i} ρ_i]``
   (exact over the box; ``G⁺``, ``G⁻`` the positive and negative parts);
-* a later stream state, whole or one token, with ``r_i = ρ_i/2 + v_i``:
-  ``‖Σ_i G_{s,i} r_i‖ ≤ ‖Σ_i G_{s,i} ρ_i/2‖ + Σ_i ‖G_{s,i}‖ ρ_i/2`` (an exact
-  centre plus a triangle sum, never above ``Σ_i ‖G_{s,i}‖ ρ_i``);
+* a later stream state, whole or one token, with ``r_i = ρ_i/2 + v_i``,
+  ``|v_i| ≤ ρ_i/2``: ``‖Σ_i G_{s,i} r_i‖ ≤ ‖|c| + h‖`` with the exact centre
+  ``c = Σ_i G_{s,i} ρ_i/2`` and the spread ``h = Σ_i |G_{s,i}| ρ_i/2``, per
+  coordinate (each coordinate's largest move over the box; never above the
+  triangle sum ``Σ_i ‖G_{s,i}‖ ρ_i``);
 * a class margin with site gradient ``g``: ``Σ_i g_i r_i ≤ Σ_i g_i⁺ ρ_i``.
 
 :class:`Carried` accumulates the first two for every later site input, in
@@ -48,62 +50,60 @@ class Carried:
     """What the symbols so far do to every later site input (module docstring).
 
     With ``r_i = ρ_i/2 + v_i``, ``|v_i| ≤ ρ_i/2``, a site input moves by the
-    exact *centre* ``Σ_i G_{u,i} ρ_i/2`` plus at most ``Σ_i ‖G_{u,i}‖ ρ_i/2``
-    (never more than the plain triangle sum ``Σ_i ‖G_{u,i}‖ ρ_i``); a scalar
-    pre-activation moves by ``Σ_i G_{z,i} r_i ∈ [−Σ_i G⁻ρ_i, Σ_i G⁺ρ_i]``
-    (exact over the box).
+    exact *centre* ``Σ_i G_{u,i} ρ_i/2`` plus the *spread*: each coordinate by
+    at most ``Σ_i |G_{u,i}| ρ_i/2``, so the whole move is at most
+    ``‖|centre| + spread‖`` (exact per coordinate over the box, never more than
+    the triangle sum ``Σ_i ‖G_{u,i}‖ ρ_i``); a scalar pre-activation moves by
+    ``Σ_i G_{z,i} r_i ∈ [−Σ_i G⁻ρ_i, Σ_i G⁺ρ_i]`` (exact over the box).
 
     Attributes:
         centre: per stream state ``s_0 … s_{2K}``, ``(B, N, D)``.
-        half: per stream state, ``(B,)``: ``Σ_i ‖G_{s,i}‖ ρ_i/2`` (Frobenius).
-        half_token: per stream state, ``(B, N)``: the same per token.
+        spread: per stream state, ``(B, N, D)``: ``Σ_i |G_{s,i}| ρ_i/2``.
         attn_centre: per block, ``(B, N, D)``: at the attention's input.
-        attn_half: per block, ``(B,)``.
+        attn_spread: per block, ``(B, N, D)``.
         up, down: per block, ``(B, N, m)``: ``Σ_i G⁺ρ_i`` and ``Σ_i G⁻ρ_i`` at
             each pre-activation.
-        cls_half: ``(B,)``: ``Σ_i ‖G_{s_{2K},0,i}‖ ρ_i/2`` (the class token).
     """
 
     centre: list[Tensor]
-    half: list[Tensor]
-    half_token: list[Tensor]
+    spread: list[Tensor]
     attn_centre: list[Tensor]
-    attn_half: list[Tensor]
+    attn_spread: list[Tensor]
     up: list[Tensor]
     down: list[Tensor]
-    cls_half: Tensor
 
     @classmethod
     def zeros(cls, clean: Record) -> Carried:
         """No symbols yet, shaped like the clean :class:`Record` of a batch."""
-        X = clean.stream[0]  # (B, N, D)
-        B, N = X.shape[:2]
         return cls(
             centre=[torch.zeros_like(s) for s in clean.stream],
-            half=[X.new_zeros(B) for _ in clean.stream],
-            half_token=[X.new_zeros(B, N) for _ in clean.stream],
+            spread=[torch.zeros_like(s) for s in clean.stream],
             attn_centre=[torch.zeros_like(p) for p in clean.attn_in],
-            attn_half=[X.new_zeros(B) for _ in clean.attn_in],
+            attn_spread=[torch.zeros_like(p) for p in clean.attn_in],
             up=[torch.zeros_like(a) for a in clean.act_in],
             down=[torch.zeros_like(a) for a in clean.act_in],
-            cls_half=X.new_zeros(B),
         )
 
     def stream(self, m: int) -> Tensor:
         """``(B,)``: bound on the symbols' change of stream state ``m`` (Frobenius)."""
-        return _norm(self.centre[m].flatten(1)) + self.half[m]
+        return _norm(_reach(self.centre[m], self.spread[m]).flatten(1))
 
     def stream_token(self, m: int) -> Tensor:
         """``(B, N)``: the same per token."""
-        return _norm(self.centre[m]) + self.half_token[m]
+        return _norm(_reach(self.centre[m], self.spread[m]))
 
     def attn_in(self, k: int) -> Tensor:
         """``(B,)``: the same at block ``k``'s attention input."""
-        return _norm(self.attn_centre[k].flatten(1)) + self.attn_half[k]
+        return _norm(_reach(self.attn_centre[k], self.attn_spread[k]).flatten(1))
 
     def cls(self) -> Tensor:
         """``(B,)``: the same at the last stream state's class token."""
-        return _norm(self.centre[-1][:, 0]) + self.cls_half
+        return self.stream_token(len(self.centre) - 1)[:, 0]
+
+
+def _reach(centre: Tensor, spread: Tensor) -> Tensor:
+    """``|centre| + spread``: each coordinate's largest move over the box."""
+    return centre.abs() + spread
 
 
 def _norm(t: Tensor) -> Tensor:
@@ -229,13 +229,10 @@ def _carry(carried: Carried, rec: Record, b: Tensor, r: Tensor, first_stream: in
 
     for m, S in tangents(rec.stream, first_stream):
         carried.centre[m].index_add_(0, b, S * h[:, None, None])
-        carried.half_token[m].index_add_(0, b, _norm(S) * h[:, None])
-        carried.half[m].index_add_(0, b, _norm(S.flatten(1)) * h)
+        carried.spread[m].index_add_(0, b, S.abs() * h[:, None, None])
     for kk, P in tangents(rec.attn_in, first_block):
         carried.attn_centre[kk].index_add_(0, b, P * h[:, None, None])
-        carried.attn_half[kk].index_add_(0, b, _norm(P.flatten(1)) * h)
+        carried.attn_spread[kk].index_add_(0, b, P.abs() * h[:, None, None])
     for kk, Z in tangents(rec.act_in, first_block):
         carried.up[kk].index_add_(0, b, Z.clamp_min(0) * r[:, None, None])
         carried.down[kk].index_add_(0, b, (-Z).clamp_min(0) * r[:, None, None])
-    last = fwAD.unpack_dual(rec.stream[-1]).tangent
-    carried.cls_half.index_add_(0, b, _norm(last[:, 0]) * h)

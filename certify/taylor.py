@@ -29,8 +29,13 @@ Perturbation budgets β (docs/taylor.md §8). On the residual stream
   norm at the clean point and ``ρ^sub_k`` its remainder's norm. In a
   lipschitz model the ReLU units that can flip are carried exactly instead,
   as *symbols* (:mod:`lipvit.certify.symbols`, docs/taylor.md §5):
-  ``β_m`` gains ``Σ_i ‖G_{m,i}‖ ρ_i`` and each later unit's budget
-  ``Σ_i |G_{z,i}| ρ_i``, with exact coefficients.
+  ``β_m`` gains the norm of their box's per-coordinate reach and each later
+  unit's budget ``Σ_i |G_{z,i}| ρ_i``, with exact coefficients.
+
+A Frobenius projection's remainder takes its share by direction
+(docs/taylor.md §3): ``s(−gᵀx̂)₊ + l |g_⊥ᵀΓ|``, with ``|x̂ᵀΓ|`` (in ``s`` and
+``l``) and ``|g_⊥ᵀΓ|`` bounded as linear functionals of the block's input,
+like the margins (:func:`_stream_bound`).
 
 Each ``β_m`` is the minimum of the two (both sound); the class token's budget
 also takes the chain's class-token budget. Every quantity is float64. The first
@@ -58,11 +63,13 @@ from lipvit.certify.local import (
 )
 from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import (
+    RadialSplit,
     TokenRemainder,
     attention_jacobian_norm,
     attention_remainder,
     attention_row_norms,
     gelu_curvature,
+    layer_project_directional,
     layer_project_remainder,
     layer_project_split,
     layernorm_curvature,
@@ -200,6 +207,33 @@ def _radial_share(g: Tensor, X: Tensor, mode: str, s: Tensor) -> Tensor:
     return (s[:, None] * (-dots / x_norm).clamp_min(0)).sum(-1)
 
 
+def _directional_share(
+    g: Tensor, X: Tensor, turn: RadialSplit, beta: Tensor, dirs: Directions,
+    deep: bool,
+) -> Tensor:
+    """A margin's share ``s (−gᵀx̂)₊ + l |g_⊥ᵀΓ|`` ``(B, K)`` of a Frobenius
+    projection's remainder split by :func:`layer_project_directional` (``turn``):
+    ``g`` ``(B, K, N, D)`` the margins' gradients at its output, ``X``
+    ``(B, N, D)`` its clean input, ``β`` ``(B,)``; ``|g_⊥ᵀΓ|`` is bounded by
+    ``‖g_⊥‖β`` and, when ``deep``, by ``dirs.perp``."""
+    x_hat = (X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True))[:, None]
+    g_x = (g * x_hat).sum((-2, -1))  # (B, K)
+    g_perp = g - g_x[..., None, None] * x_hat
+    w = torch.linalg.vector_norm(g_perp, dim=(-2, -1)) * beta[:, None]
+    if deep:
+        w = torch.minimum(w, dirs.perp(g_perp))
+    share = turn.s * (-g_x).clamp_min(0) + turn.rest.lin * w
+    return torch.where(turn.rest.lin.isinf(), math.inf, share)  # not outside
+
+
+def _smaller_rest(a: RadialSplit, b: RadialSplit, caps: Tensor) -> RadialSplit:
+    """Per vector, the split of the two whose rest ``‖r'‖`` is smaller at ``caps``."""
+    pick = b.rest.at(caps) < a.rest.at(caps)  # (B, T)
+    rest = TokenRemainder(torch.where(pick, b.rest.quad, a.rest.quad),
+                          torch.where(pick, b.rest.lin, a.rest.lin))
+    return RadialSplit(torch.where(pick, b.s, a.s), rest)
+
+
 def _attn_share(g: Tensor, r_a: Tensor) -> Tensor:
     """``‖g‖_F ‖r_a‖`` ``(B, K)``: a margin's share of the attention's remainder."""
     return torch.linalg.vector_norm(g, dim=(-2, -1)) * r_a[:, None]
@@ -227,9 +261,22 @@ class BlockStep(NamedTuple):
     chord: Chord | None
 
 
-BlockFn = Callable[[Tensor, Budget, Tensor, Tensor, Carried], BlockStep]
-"""``(ε, input budget, chain bound of the middle, of the output, symbols) ↦
-BlockStep``; a lipschitz block adds its ReLU symbols to the :class:`Carried`."""
+class Directions(NamedTuple):
+    """Bounds on linear functionals of a Frobenius ``norm1``'s input
+    perturbation ``Γ`` (:func:`_stream_bound`): ``radial`` ``(B,)`` on
+    ``|x̂ᵀΓ|``, and ``perp`` maps weights ``v`` ``(B, K, N, D)`` to bounds
+    ``(B, K)`` on ``|vᵀΓ|``."""
+
+    radial: Tensor
+    perp: Callable[[Tensor], Tensor]
+
+
+BlockFn = Callable[
+    [Tensor, Budget, Tensor, Tensor, Carried, Directions | None], BlockStep
+]
+"""``(ε, input budget, chain bound of the middle, of the output, symbols,
+directions) ↦ BlockStep``; a lipschitz block adds its ReLU symbols to the
+:class:`Carried`."""
 
 
 def _tighter(bound: Tensor, exact: SubBlockNorms | None, name: str, k: int) -> Tensor:
@@ -260,10 +307,14 @@ def _lipschitz_block(
     m_mid = 2 * k + 1
 
     def step(
-        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried
+        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried,
+        dirs: Directions | None,
     ) -> BlockStep:
         caps1 = b.token if P1.mode == "token" else b.all[:, None]
         split1 = layer_project_split(n1, P1.radius, caps1)  # r = −σx̂ + r' (§3)
+        if dirs is not None:  # r = −τx̂ + cΓ_⊥ (§3)
+            turn = layer_project_directional(n1, P1.radius, caps1, dirs.radial[:, None])
+            split1 = _smaller_rest(split1, turn, caps1)
         propagate_radial(model, clean, k, "norm1", split1.s, sym)
         r1 = split1.rest
         r1_norm = r1.norm(b.all)
@@ -295,11 +346,17 @@ def _lipschitz_block(
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out,
                       mid.acc_token + r2_t + tail[:, None])
 
-        def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
+        def norm1_share(g: Tensor, deep: bool) -> Tensor:
+            share = (r1.weighted(_projected_norms(g, P1.mode), b.all, caps1)
+                     + _radial_share(g, X, P1.mode, split1.s))
+            if dirs is None:
+                return share
+            return torch.minimum(share, _directional_share(g, X, turn, b.all, dirs,
+                                                           deep))
+
+        def shares(g: dict[str, Tensor], deep: bool = True) -> dict[str, Tensor]:
             return {
-                "norm1": r1.weighted(_projected_norms(g["norm1"], P1.mode), b.all,
-                                     caps1) + _radial_share(g["norm1"], X, P1.mode,
-                                                            split1.s),
+                "norm1": norm1_share(g["norm1"], deep),
                 "attn": _attn_share(g["attn"], r_a),
                 "norm2": r2.weighted(_projected_norms(g["norm2"], "token"), mid.all,
                                      mid.token) + _radial_share(g["norm2"], X_mid,
@@ -367,7 +424,8 @@ def _standard_block(
     m_mid = 2 * k + 1
 
     def step(
-        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried
+        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried,
+        dirs: Directions | None,
     ) -> BlockStep:
         r1 = _layernorm_remainder(ln1, X, b.token)
         r1_norm = torch.minimum(
@@ -394,7 +452,7 @@ def _standard_block(
         acc_out = lam_t.amax(-1) * mid.acc + torch.linalg.vector_norm(R_t, dim=-1)
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out, acc_t)
 
-        def shares(g: dict[str, Tensor]) -> dict[str, Tensor]:
+        def shares(g: dict[str, Tensor], deep: bool = True) -> dict[str, Tensor]:
             return {
                 "norm1": r1.weighted(_layernorm_weights(g["norm1"], ln1), b.all,
                                      b.token),
@@ -432,6 +490,9 @@ class TaylorBound:
             (**upper bounds**).
         delta_out: LoFAST's ``δ_out`` (``ε ↦ (B,)``); ``√2 δ_out`` caps every
             margin drop, so ``taylor`` certifies whatever ``lofast`` does.
+        functional: ``(ε, k, v) ↦ (B,)``: an **upper bound** on ``|⟨v, Γ_{2k}⟩|``
+            over the ε-ball, ``Γ_{2k}`` the change of block ``k``'s input and
+            ``v`` ``(B, N, D)`` (docs/taylor.md §3, direction-aware share).
     """
 
     margins: Tensor
@@ -440,6 +501,7 @@ class TaylorBound:
     remainders: Callable[[Tensor], dict[str, Tensor]]
     walk: Callable[[Tensor], tuple[dict[str, Tensor], list, Tensor]]
     delta_out: Callable[[Tensor], Tensor]
+    functional: Callable[[Tensor, int, Tensor], Tensor]
 
     def _eps(self, eps: float | Tensor) -> Tensor:
         m = self.margins
@@ -528,6 +590,9 @@ def taylor_bound(
             for k, terms in enumerate(chain.attention_terms)
         ]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
+        frobenius = [k for k, block in enumerate(model.blocks)
+                     if isinstance(block.norm1, LayerProject)
+                     and block.norm1.mode != "token"]
 
     def run(e: Tensor) -> tuple[list[BlockStep], list[Budget], Tensor]:
         """Every block's step, the stream budgets and the class token's budget."""
@@ -536,7 +601,9 @@ def taylor_bound(
         budget = _budget(e, jn, sym, 0, torch.zeros_like(e), trace[:, 2, 0])
         budgets, steps = [budget], []
         for k, step in enumerate(blocks):
-            res = step(e, budget, trace[:, 3 + 2 * k, 0], trace[:, 4 + 2 * k, 0], sym)
+            dirs = _directions(e, list(steps), grads, k) if k in frobenius else None
+            res = step(e, budget, trace[:, 3 + 2 * k, 0], trace[:, 4 + 2 * k, 0], sym,
+                       dirs)
             budgets += [res.mid, res.out]
             budget = res.out
             steps.append(res)
@@ -563,9 +630,15 @@ def taylor_bound(
         out = {"box": sum(box(steps, cls).values())}
         if steps[0].chord is not None:
             out["chord"] = (
-                _chord_bound(e, steps, grads) + final(cls) - grad_norm * e[:, None]
+                _chord_bound(e, steps, Weights(g_x, g_sites), grads) + final(cls)
+                - grad_norm * e[:, None]
             )
         return {name: masked(v) for name, v in out.items()}
+
+    def functional(e: Tensor, k: int, v: Tensor) -> Tensor:
+        steps, _, _ = run(e)
+        v = v.to(x)[:, None].expand(-1, K, -1, -1)  # one copy per class
+        return _stream_bound(e, steps[:k], grads, k, v)[:, 0]
 
     return TaylorBound(
         margins,
@@ -574,6 +647,7 @@ def taylor_bound(
         remainders,
         walk,
         chain.delta_out,
+        functional,
     )
 
 
@@ -582,7 +656,60 @@ def _block_sites(g: dict[tuple[int, str], Tensor], k: int) -> dict[str, Tensor]:
     return {s: g[(k, s)] for s in SITES}
 
 
-def _chord_bound(e: Tensor, steps: list[BlockStep], grads: MarginGradients) -> Tensor:
+class Weights(NamedTuple):
+    """Weights of a linear objective on the image ``x`` ``(B, K, C, S, S)`` and
+    on the sites ``{(block, site): (B, K, …)}``: the margins' gradients, or a
+    stream functional's (:meth:`MarginGradients.through_stream`)."""
+
+    x: Tensor
+    sites: dict[tuple[int, str], Tensor]
+
+
+def _directions(
+    e: Tensor, steps: list[BlockStep], grads: MarginGradients, k: int
+) -> Directions:
+    """:class:`Directions` of block ``k``'s input at ε, ``steps`` the blocks
+    before it (docs/taylor.md §3, direction-aware share)."""
+    X = grads.clean.stream[2 * k]  # (B, N, D)
+    x_hat = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True)
+    K = grads.x.shape[1]
+    radial = _stream_bound(e, steps, grads, k, x_hat[:, None].expand(-1, K, -1, -1))
+    return Directions(radial[:, 0], partial(_stream_bound, e, steps, grads, k))
+
+
+def _stream_bound(
+    e: Tensor, steps: list[BlockStep], grads: MarginGradients, k: int, v: Tensor
+) -> Tensor:
+    """Bound ``(B, K)`` on ``|vᵀΓ_{2k}|`` over the ε-ball, ``Γ_{2k}`` block ``k``'s
+    input perturbation and ``v`` ``(B, K, N, D)``: ``vᵀΓ_{2k}`` is linear in the
+    image and the earlier sites' remainders, with weights from one backward
+    pass; each sign is bounded like a margin (:func:`_linear_bound`)."""
+    return torch.maximum(*(
+        _linear_bound(e, steps, Weights(*grads.through_stream(k, s * v)), grads)
+        for s in (1, -1)
+    ))
+
+
+def _linear_bound(
+    e: Tensor, steps: list[BlockStep], w: Weights, grads: MarginGradients,
+    deep: bool = False,
+) -> Tensor:
+    """Upper bound ``(B, K)`` on a linear objective ``w`` of the image and of the
+    sites of ``steps`` (no later site) over the ε-ball: the smaller of the box
+    (every site's share) and the chord bound (:func:`_chord_bound`).
+    ``deep``: whether the shares may bound their own stream functionals."""
+    box = torch.linalg.vector_norm(w.x.flatten(2), dim=-1) * e[:, None]
+    for k, res in enumerate(steps):
+        box = box + sum(res.shares(_block_sites(w.sites, k), deep).values())
+    if not steps or steps[0].chord is None:
+        return box
+    return torch.minimum(box, _chord_bound(e, steps, w, grads, deep))
+
+
+def _chord_bound(
+    e: Tensor, steps: list[BlockStep], w: Weights, grads: MarginGradients,
+    deep: bool = True,
+) -> Tensor:
     """The margin-drop bound with ReLU chords back-substituted, docs/taylor.md §5.
 
     On ``Δz_i ∈ [−down_i, up_i]`` the convex remainder lies below its chord,
@@ -592,10 +719,11 @@ def _chord_bound(e: Tensor, steps: list[BlockStep], grads: MarginGradients) -> T
     exact), so its weights are added to theirs by one backward pass per block,
     last block first; what remains is ``‖g′_x‖ε``, the other sites' shares with
     the new weights ``g′``, the chord constants and (added by the caller) the
-    final norm's share. ``(B, K)``, without the final norm.
+    final norm's share. ``(B, K)``, without the final norm. The objective is
+    ``w`` (the margins, or a stream functional), ``grads`` holds the graph.
     """
-    g = dict(grads.sites)
-    g_x = grads.x
+    g = dict(w.sites)
+    g_x = w.x
     total = 0.0
     for k in reversed(range(len(steps))):
         z, up, down, rho = steps[k].chord
@@ -608,7 +736,7 @@ def _chord_bound(e: Tensor, steps: list[BlockStep], grads: MarginGradients) -> T
         g_x = g_x + dx
         g.update({key: g[key] + d for key, d in dsites.items()})
     for k, res in enumerate(steps):
-        shares = res.shares(_block_sites(g, k))
+        shares = res.shares(_block_sites(g, k), deep)
         total = total + shares["norm1"] + shares["attn"] + shares["norm2"]
     return total + torch.linalg.vector_norm(g_x.flatten(2), dim=-1) * e[:, None]
 

@@ -90,19 +90,20 @@ def test_symbols_match_dense_jacobians(seed, k):
         m = 2 * k + 2 + off
         Gf = G.flatten(-2)  # (B, N, D, N·m)
         close(sym.centre[m], (Gf * half[:, None, None]).sum(-1))
-        close(sym.half_token[m], (Gf.norm(dim=2) * half[:, None]).sum(-1))
-        close(sym.half[m], (Gf.flatten(1, 2).norm(dim=1) * half).sum(-1))
-    close(sym.cls_half, (streams[-1][:, 0].flatten(-2).norm(dim=1) * half).sum(-1))
+        close(sym.spread[m], (Gf.abs() * half[:, None, None]).sum(-1))
+        # never above the triangle sum Σ_i ‖G_i‖ ρ_i
+        tri = (Gf.flatten(1, 2).norm(dim=1) * flat).sum(-1)
+        assert torch.all(sym.stream(m) <= tri * (1 + 1e-9))
     for off, G in enumerate(attn_in):
         Gf = G.flatten(-2)
         close(sym.attn_centre[k + 1 + off], (Gf * half[:, None, None]).sum(-1))
-        close(sym.attn_half[k + 1 + off], (Gf.flatten(1, 2).norm(dim=1) * half).sum(-1))
+        close(sym.attn_spread[k + 1 + off], (Gf.abs() * half[:, None, None]).sum(-1))
     for off, G in enumerate(act_in):  # (B, N, m, N, m)
         Gf = G.flatten(-2)
         close(sym.up[k + 1 + off], (Gf.clamp_min(0) * flat[:, None, None]).sum(-1))
         close(sym.down[k + 1 + off], ((-Gf).clamp_min(0) * flat[:, None, None]).sum(-1))
     for m in range(2 * k + 2):  # nothing before the block changes
-        assert torch.all(sym.half[m] == 0) and torch.all(sym.centre[m] == 0)
+        assert torch.all(sym.spread[m] == 0) and torch.all(sym.centre[m] == 0)
     # The bounds hold at random vertices of the box (where the maxima lie).
     for _ in range(20):
         r = rho * (torch.rand(rho.shape, generator=g) < 0.5)
@@ -111,6 +112,12 @@ def test_symbols_match_dense_jacobians(seed, k):
             moved = torch.einsum("bndi,bi->bnd", G.flatten(-2), r.flatten(1))
             assert torch.all(moved.flatten(1).norm(dim=1) <= sym.stream(m) * (1 + 1e-9))
             assert torch.all(moved.norm(dim=-1) <= sym.stream_token(m) * (1 + 1e-9))
+        for off, G in enumerate(attn_in):
+            moved = torch.einsum("bndi,bi->bnd", G.flatten(-2), r.flatten(1))
+            bound = sym.attn_in(k + 1 + off) * (1 + 1e-9)
+            assert torch.all(moved.flatten(1).norm(dim=1) <= bound)
+        moved = torch.einsum("bdi,bi->bd", streams[-1][:, 0].flatten(-2), r.flatten(1))
+        assert torch.all(moved.norm(dim=1) <= sym.cls() * (1 + 1e-9))
         for off, G in enumerate(act_in):
             moved = torch.einsum("bnui,bi->bnu", G.flatten(-2), r.flatten(1))
             assert torch.all(moved <= sym.up[k + 1 + off] * (1 + 1e-9) + 1e-15)

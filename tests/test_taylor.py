@@ -22,6 +22,7 @@ from lipvit.certify.remainders import (
     attention_remainder,
     attention_row_norms,
     gelu_curvature,
+    layer_project_directional,
     layer_project_remainder,
     layer_project_split,
     layernorm_curvature,
@@ -120,6 +121,77 @@ def test_layer_project_split_brute_force(seed, norm, beta):
     assert found <= bound * (1 + 1e-9) + 1e-15
     if (norm, beta) in ((0.98, 0.05), (1.02, 0.05), (1.0, 0.5)):
         assert s > 0  # the ball crosses the sphere: a symbol
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("norm", [0.9, 1.0, 1.02, 1.3, 4.0])
+@pytest.mark.parametrize("beta", [0.05, 0.5])
+def test_layer_project_directional_brute_force(seed, norm, beta):
+    """``r = −τx̂ + cΓ_⊥`` with ``τ ∈ [0, s]``, ``|c| ≤ l`` at every sampled ``Γ``
+    of the ball, given that point's own ``A = |x̂ᵀΓ|`` (§3): tangential, radial
+    and random directions, on the sphere and inside; so a margin's share
+    ``s(−gᵀx̂)₊ + l|g_⊥ᵀΓ|`` bounds ``gᵀr``."""
+    g = torch.Generator().manual_seed(seed)
+    D, n_pts, R = 6, 900, 1.0
+    x = torch.randn(D, generator=g, dtype=F64)
+    x = x / x.norm() * norm
+    w = torch.randn(D, generator=g, dtype=F64)
+    x_hat = x / x.norm()
+    r = _remainder_fn(lambda v: layer_project(v, R), x)
+    G = torch.randn(n_pts, D, generator=g, dtype=F64)
+    G[:300] -= (G[:300] @ x_hat)[:, None] * x_hat  # tangential
+    G[300:400] = x_hat * torch.randn(100, 1, generator=g, dtype=F64).sign()  # radial
+    G[400:500] += 3 * x_hat * torch.randn(100, 1, generator=g, dtype=F64)  # mostly
+    G = G / G.norm(dim=1, keepdim=True) * beta
+    G[n_pts // 2:] *= torch.rand(n_pts - n_pts // 2, 1, generator=g, dtype=F64)
+    rem = r(x + G)  # (n_pts, D)
+    A = (G @ x_hat).abs()
+    col = lambda t: torch.full((n_pts, 1), float(t), dtype=F64)  # noqa: E731
+    n = float(x.norm())  # the actual norm decides the side
+    split = layer_project_directional(col(n), R, col(beta), A[:, None])
+    s, lin = split.s[:, 0], split.rest.lin[:, 0]
+    if n < R:  # inside: not applicable
+        assert torch.all(lin.isinf()) and torch.all(s == 0)
+        return
+    tau = -(rem @ x_hat)
+    assert torch.all(tau >= -1e-15) and torch.all(tau <= s * (1 + 1e-9) + 1e-15)
+    G_perp = G - (G @ x_hat)[:, None] * x_hat
+    r_perp = rem + tau[:, None] * x_hat  # = c Γ_⊥
+    t = G_perp.norm(dim=1)
+    assert torch.all(r_perp.norm(dim=1) <= lin * t * (1 + 1e-9) + 1e-14)
+    c = (r_perp * G_perp).sum(1) / (t**2).clamp_min(1e-300)
+    along = t > 1e-6 * beta  # (the radial samples have Γ_⊥ = 0 up to rounding)
+    assert torch.allclose(r_perp[along], (c[:, None] * G_perp)[along], rtol=0,
+                          atol=1e-12)
+    g_x = w @ x_hat
+    share = s * (-g_x).clamp_min(0) + lin * (G_perp @ w).abs()
+    found = rem @ w
+    assert torch.all(found <= share * (1 + 1e-9) + 1e-15)
+    assert bool((found > 0).any())
+
+
+@pytest.mark.parametrize("kw", [{}, {"depth": 3}, {"num_heads": 1}])
+@pytest.mark.parametrize("seed", range(2))
+def test_stream_functionals_bound_pgd(kw, seed):
+    """``|⟨v, Γ_{2k}⟩|`` of every block's input (``v = x̂``, the Frobenius
+    projection's radial direction, and a random ``v``) is at most its bound."""
+    model = _model("lipschitz", seed, **kw)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        y = model(x).argmax(1)
+        stream = forward(model, x)[1].stream
+    tb = taylor_bound(model, x, y)
+    for eps in (1e-2, 0.1):
+        e = torch.full((2,), eps, dtype=F64)
+        for k in range(len(model.blocks)):
+            X = stream[2 * k]
+            for v in (X / X.flatten(1).norm(dim=1)[:, None, None], torch.randn_like(X)):
+                def read(u, k=k, v=v):
+                    return (forward(model, u)[1].stream[2 * k] * v).sum((1, 2))[:, None]
+                found = pgd_deviation(read, x, eps, steps=30, restarts=2)
+                bound = tb.functional(e, k, v)
+                assert torch.all(found <= bound * (1 + 1e-9)), (eps, k, found, bound)
+                assert bool((found > 0).all())
 
 
 @pytest.mark.parametrize("seed", SEEDS)
