@@ -136,6 +136,8 @@ def plot_certified_accuracy(
         acc = _vector(acc, x.size, f"certified accuracy of {label!r}")
         xs.append(x)
         shown = label + (" — 0 at every ε" if np.all(acc == 0) else "")
+        shown += "".join(f" — same as {other}, drawn over it" for other in
+                         _covering(label, x, acc, order, curves))
         estimate = is_estimate(label)
         kw = {"linewidth": 1.4 if estimate else 1.9, **styles.get(label, {}),
               "zorder": 2 if estimate else 3}
@@ -165,6 +167,18 @@ def plot_certified_accuracy(
     if title:
         ax.set_title(title)
     return _finish(fig, path, pdf)
+
+
+def _covering(label: str, x: np.ndarray, acc: np.ndarray, order: list,
+              curves: Mapping[str, tuple[ArrayLike, ArrayLike]]) -> list[str]:
+    """The curves drawn after ``label`` (in ``order``) with exactly its points:
+    they hide it, so its legend entry says so (at most the first one)."""
+    names = [name for name, _ in order]
+    for other in names[names.index(label) + 1:]:
+        ox, oacc = (np.asarray(v, dtype=float) for v in curves[other])
+        if np.array_equal(ox, x) and np.array_equal(oacc, acc):
+            return [other]
+    return []
 
 
 def plot_certification_gap(
