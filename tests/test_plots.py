@@ -49,7 +49,8 @@ def test_certified_accuracy_estimates_dashed_below_and_zero_curves_named():
     assert "specformer — 0 at every ε" in _legend(ax)
     # a curve that differs anywhere is not called the same
     curves["lofast-fast (estimate)"] = (EPS, [0.9, 0.8, 0.5, 0.3])
-    assert "lofast-fast (estimate)" in _legend(P.plot_certified_accuracy(curves).axes[0])
+    differs = P.plot_certified_accuracy(curves).axes[0]
+    assert "lofast-fast (estimate)" in _legend(differs)
     linear = P.plot_certified_accuracy({"a": ([0.01, 0.02], [0.5, 0.4])}).axes[0]
     assert linear.get_xscale() == "linear" and linear.get_xlim()[1] < 0.03
 
