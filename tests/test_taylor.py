@@ -407,7 +407,7 @@ def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits):
     from lipvit.checkpoint import load_checkpoint
 
     model = load_checkpoint(ckpt).model.double().eval()
-    x, y = digits.x_test[:48].double(), digits.y_test[:48]
+    x, y = digits.x_test[:32].double(), digits.y_test[:32]
     tb = taylor_bound(model, x, y)
     radii = tb.radius(tol=1e-4)
     assert (radii > 0).sum() >= 3, "the model should certify some points"
