@@ -590,9 +590,12 @@ def taylor_bound(
             for k, terms in enumerate(chain.attention_terms)
         ]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
+        # Blocks whose Frobenius norm1 projects some sample (§3, direction-aware).
         frobenius = [k for k, block in enumerate(model.blocks)
                      if isinstance(block.norm1, LayerProject)
-                     and block.norm1.mode != "token"]
+                     and block.norm1.mode != "token"
+                     and bool((_projected_norms(clean.stream[2 * k], "frobenius")
+                               >= block.norm1.radius).any())]
 
     def run(e: Tensor) -> tuple[list[BlockStep], list[Budget], Tensor]:
         """Every block's step, the stream budgets and the class token's budget."""
@@ -615,9 +618,11 @@ def taylor_bound(
         return torch.where(wrong, t, torch.zeros_like(t))
 
     def box(steps: list[BlockStep], cls: Tensor) -> dict[str, Tensor]:
-        """Every site's share with the clean margin gradients."""
+        """Every site's share with the clean margin gradients (``|g_⊥ᵀΓ|`` by
+        norm: the chord bound, which the certificate also takes, bounds it as a
+        functional)."""
         sites = {f"block{k}.{n}": v for k, res in enumerate(steps)
-                 for n, v in res.shares(_block_sites(g_sites, k)).items()}
+                 for n, v in res.shares(_block_sites(g_sites, k), False).items()}
         return {**sites, "norm": final(cls)}
 
     def walk(e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
@@ -673,8 +678,10 @@ def _directions(
     X = grads.clean.stream[2 * k]  # (B, N, D)
     x_hat = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True)
     K = grads.x.shape[1]
-    radial = _stream_bound(e, steps, grads, k, x_hat[:, None].expand(-1, K, -1, -1))
-    return Directions(radial[:, 0], partial(_stream_bound, e, steps, grads, k))
+    signs = 1.0 - 2.0 * (torch.arange(K, device=X.device) % 2)  # +x̂, −x̂, +x̂, …
+    v = x_hat[:, None] * signs[:, None, None]  # (B, K, N, D), K ≥ 2
+    radial = _linear_bound(e, steps, Weights(*grads.through_stream(k, v)), grads)
+    return Directions(radial.amax(1), partial(_stream_bound, e, steps, grads, k))
 
 
 def _stream_bound(

@@ -170,8 +170,8 @@ def test_layer_project_directional_brute_force(seed, norm, beta):
     assert bool((found > 0).any())
 
 
-@pytest.mark.parametrize("kw", [{}, {"depth": 3}, {"num_heads": 1}])
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("kw, seed", [({}, 0), ({}, 1), ({"depth": 3}, 0),
+                                      ({"num_heads": 1}, 1)])
 def test_stream_functionals_bound_pgd(kw, seed):
     """``|⟨v, Γ_{2k}⟩|`` of every block's input (``v = x̂``, the Frobenius
     projection's radial direction, and a random ``v``) is at most its bound."""
@@ -407,9 +407,9 @@ def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits):
     from lipvit.checkpoint import load_checkpoint
 
     model = load_checkpoint(ckpt).model.double().eval()
-    x, y = digits.x_test[:32].double(), digits.y_test[:32]
+    x, y = digits.x_test[:24].double(), digits.y_test[:24]
     tb = taylor_bound(model, x, y)
-    radii = tb.radius(tol=1e-4)
+    radii = tb.radius(tol=1e-3)
     assert (radii > 0).sum() >= 3, "the model should certify some points"
     assert torch.all(tb.certified(radii)[radii > 0])
     eps = float(radii[radii > 0].median())
