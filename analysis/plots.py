@@ -126,7 +126,7 @@ def plot_certified_accuracy(
     if not curves and not empirical:
         raise ValueError("nothing to plot: no curves given")
     styles = styles or {}
-    fig, axes = new_figure()
+    fig, axes = new_figure(width=9.0)
     ax = axes[0, 0]
     # Estimates first, dashed and underneath; sound curves solid and on top.
     order = sorted(curves.items(), key=lambda kv: not is_estimate(kv[0]))
@@ -163,7 +163,9 @@ def plot_certified_accuracy(
     ax.set_ylim(0, 1.02)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small", loc="best")
+    # Beside the axes: no curve is ever hidden under the legend.
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+              borderaxespad=0.0)
     if title:
         ax.set_title(title)
     return _finish(fig, path, pdf)
