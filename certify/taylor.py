@@ -252,12 +252,14 @@ class Chord(NamedTuple):
 
 class BlockStep(NamedTuple):
     """A block's result at one ε: budgets, the site shares ``{site: (B, K)}`` as
-    a function of the margins' site gradients ``{site: (B, K, …)}`` and, for a
-    lipschitz block, its :class:`Chord`."""
+    a function of the margins' site gradients ``{site: (B, K, …)}`` and of
+    ``deep`` (whether a Frobenius projection bounds ``|g_⊥ᵀΓ|`` as a stream
+    functional, :func:`_directional_share`) and, for a lipschitz block, its
+    :class:`Chord`."""
 
     mid: Budget
     out: Budget
-    shares: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    shares: Callable[[dict[str, Tensor], bool], dict[str, Tensor]]
     chord: Chord | None
 
 
@@ -354,7 +356,7 @@ def _lipschitz_block(
             return torch.minimum(share, _directional_share(g, X, turn, b.all, dirs,
                                                            deep))
 
-        def shares(g: dict[str, Tensor], deep: bool = True) -> dict[str, Tensor]:
+        def shares(g: dict[str, Tensor], deep: bool) -> dict[str, Tensor]:
             return {
                 "norm1": norm1_share(g["norm1"], deep),
                 "attn": _attn_share(g["attn"], r_a),
@@ -452,7 +454,7 @@ def _standard_block(
         acc_out = lam_t.amax(-1) * mid.acc + torch.linalg.vector_norm(R_t, dim=-1)
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out, acc_t)
 
-        def shares(g: dict[str, Tensor], deep: bool = True) -> dict[str, Tensor]:
+        def shares(g: dict[str, Tensor], deep: bool) -> dict[str, Tensor]:
             return {
                 "norm1": r1.weighted(_layernorm_weights(g["norm1"], ln1), b.all,
                                      b.token),
@@ -635,7 +637,8 @@ def taylor_bound(
         out = {"box": sum(box(steps, cls).values())}
         if steps[0].chord is not None:
             out["chord"] = (
-                _chord_bound(e, steps, Weights(g_x, g_sites), grads) + final(cls)
+                _chord_bound(e, steps, Weights(g_x, g_sites), grads, deep=True)
+                + final(cls)
                 - grad_norm * e[:, None]
             )
         return {name: masked(v) for name, v in out.items()}
@@ -698,24 +701,23 @@ def _stream_bound(
 
 
 def _linear_bound(
-    e: Tensor, steps: list[BlockStep], w: Weights, grads: MarginGradients,
-    deep: bool = False,
+    e: Tensor, steps: list[BlockStep], w: Weights, grads: MarginGradients
 ) -> Tensor:
     """Upper bound ``(B, K)`` on a linear objective ``w`` of the image and of the
     sites of ``steps`` (no later site) over the ε-ball: the smaller of the box
     (every site's share) and the chord bound (:func:`_chord_bound`).
-    ``deep``: whether the shares may bound their own stream functionals."""
+    The shares bound their own ``|g_⊥ᵀΓ|`` by norm (no recursion)."""
     box = torch.linalg.vector_norm(w.x.flatten(2), dim=-1) * e[:, None]
     for k, res in enumerate(steps):
-        box = box + sum(res.shares(_block_sites(w.sites, k), deep).values())
+        box = box + sum(res.shares(_block_sites(w.sites, k), False).values())
     if not steps or steps[0].chord is None:
         return box
-    return torch.minimum(box, _chord_bound(e, steps, w, grads, deep))
+    return torch.minimum(box, _chord_bound(e, steps, w, grads, deep=False))
 
 
 def _chord_bound(
     e: Tensor, steps: list[BlockStep], w: Weights, grads: MarginGradients,
-    deep: bool = True,
+    deep: bool,
 ) -> Tensor:
     """The margin-drop bound with ReLU chords back-substituted, docs/taylor.md §5.
 
