@@ -156,6 +156,27 @@ def _after_attention(
     return _budget(e, jn, sym, m, acc, chain, acc_token)
 
 
+def _attention_lipschitz(
+    b: Budget, a: AttentionGains, r_N: Tensor, r_a: Tensor, b_p: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Bounds ``(B,)`` and ``(B, N)`` on the attention sub-block's output change
+    from its input's budget alone (docs/taylor.md §8, Lipschitz recursion):
+    ``Γ_mid = (I + J_a J_N)Γ + J_a r_N + r_a`` gives ``λβ + ‖J_a‖‖r_N‖ + ‖r_a‖``
+    (``r_N`` the norm's whole remainder), and token ``t`` moves by
+    ``Γ_t + (J_a ΔP)_t + (r_a)_t``, at most ``β_t + ‖(J_a)_t‖ β_p + ‖r_a‖``
+    (``β_p`` the attention input's budget)."""
+    whole = a.lam * b.all + a.J_a * r_N + r_a
+    return whole, b.token + a.rows * b_p[:, None] + r_a[:, None]
+
+
+def _capped(b: Budget, whole: Tensor, token: Tensor) -> Budget:
+    """``b`` with its whole and per-token budgets capped by other sound bounds
+    (each token's kept at most the whole)."""
+    whole = torch.minimum(b.all, whole)
+    token = torch.minimum(torch.minimum(b.token, token), whole[:, None])
+    return b._replace(all=whole, token=token)
+
+
 def _logit_radius(
     terms, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor, b_p: Tensor
 ) -> Tensor:
@@ -326,6 +347,8 @@ def _lipschitz_block(
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid)
+        r1_whole = r1_norm + torch.linalg.vector_norm(split1.s, dim=-1)  # + radial
+        mid = _capped(mid, *_attention_lipschitz(b, gains, r1_whole, r_a, b_p))
         split2 = layer_project_split(n_mid, P2.radius, mid.token)
         propagate_radial(model, clean, k, "norm2", split2.s, sym)
         r2 = split2.rest
@@ -347,6 +370,7 @@ def _lipschitz_block(
         acc_out = mid.acc + torch.linalg.vector_norm(r2_t, dim=-1) + tail
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out,
                       mid.acc_token + r2_t + tail[:, None])
+        out = _capped(out, mid.all, mid.token)  # SLL∘P₂ is 1-Lipschitz per token
 
         def norm1_share(g: Tensor, deep: bool) -> Tensor:
             share = (r1.weighted(_projected_norms(g, P1.mode), b.all, caps1)
@@ -438,6 +462,7 @@ def _standard_block(
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid)
+        mid = _capped(mid, *_attention_lipschitz(b, gains, r1_norm, r_a, b_p))
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)
         delta = (jn.act_in[k] * e[:, None, None] + gain * mid.acc_token[..., None]
                  + r2.at(mid.token)[..., None] * w1_norm)  # (B, N, m)
@@ -453,6 +478,12 @@ def _standard_block(
         acc_t = lam_t * mid.acc_token + R_t  # (B, N)
         acc_out = lam_t.amax(-1) * mid.acc + torch.linalg.vector_norm(R_t, dim=-1)
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out, acc_t)
+        # Lipschitz recursion: token t moves by at most λ_t β_t + R_t.
+        lip_t = lam_t * mid.token + R_t  # (B, N)
+        R = torch.linalg.vector_norm(R_t, dim=-1)
+        lip = torch.minimum(torch.linalg.vector_norm(lip_t, dim=-1),
+                            lam_t.amax(-1) * mid.all + R)
+        out = _capped(out, lip, lip_t)
 
         def shares(g: dict[str, Tensor], deep: bool) -> dict[str, Tensor]:
             return {

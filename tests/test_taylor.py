@@ -527,7 +527,9 @@ def test_subblock_norms_are_exact(family):
 @pytest.mark.parametrize("seed", range(2))
 def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
     """Every stream state's whole and per-token budgets (``acc_token``, the exact
-    sub-block norms, the attention's row bounds) exceed what PGD finds."""
+    sub-block norms, the attention's row bounds, the Lipschitz recursion) exceed
+    what PGD finds; a lipschitz block's 1-Lipschitz ``SLL∘P₂`` never lets a
+    budget grow."""
     if not exact:
         monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
     model = _model(family, seed)
@@ -544,3 +546,11 @@ def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
                 found = pgd_deviation(token, x, eps, steps=30, restarts=2)
                 assert torch.all(found <= budget.token[:, t] * (1 + 1e-9)), (eps, m, t)
                 assert torch.all(budget.token[:, t] <= budget.all * (1 + 1e-12))
+            def whole(v, m=m):
+                return forward(model, v)[1].stream[m].flatten(1)
+            found = pgd_deviation(whole, x, eps, steps=30, restarts=2)
+            assert torch.all(found <= budget.all * (1 + 1e-9)), (eps, m)
+        if family == "lipschitz":
+            for mid, out in zip(budgets[1::2], budgets[2::2], strict=True):
+                assert torch.all(out.all <= mid.all)
+                assert torch.all(out.token <= mid.token)
