@@ -30,14 +30,18 @@ Perturbation budgets β (docs/taylor.md §8). On the residual stream
   lipschitz model the ReLU units that can flip are carried exactly instead,
   as *symbols* (:mod:`lipvit.certify.symbols`, docs/taylor.md §5):
   ``β_m`` gains the norm of their box's per-coordinate reach and each later
-  unit's budget ``Σ_i |G_{z,i}| ρ_i``, with exact coefficients.
+  unit's budget ``Σ_i |G_{z,i}| ρ_i``, with exact coefficients;
+* **Lipschitz**: from the sub-block's input budget alone, ``β_mid ≤ λβ +
+  ‖J_a‖‖r_N‖ + ‖r_a‖`` (attention) and ``β_out ≤ β_mid`` (``SLL∘P₂``,
+  1-Lipschitz per token) or ``λ_t β_t + R_t`` (a standard MLP), whole and per
+  token (:func:`_attention_lipschitz`, :func:`_capped`).
 
 A Frobenius projection's remainder takes its share by direction
 (docs/taylor.md §3): ``s(−gᵀx̂)₊ + l |g_⊥ᵀΓ|``, with ``|x̂ᵀΓ|`` (in ``s`` and
 ``l``) and ``|g_⊥ᵀΓ|`` bounded as linear functionals of the block's input,
 like the margins (:func:`_stream_bound`).
 
-Each ``β_m`` is the minimum of the two (both sound); the class token's budget
+Each ``β_m`` is the minimum of the three (all sound); the class token's budget
 also takes the chain's class-token budget. Every quantity is float64. The first
 order ``‖c_jᵀJ‖`` is **exact** (autograd, float rounding aside); every
 remainder, β and ``λ`` is an **upper bound**; the certificate is sound. A

@@ -1,0 +1,134 @@
+"""How far the taylor certificate's relaxations can go: the sound radius against
+an **oracle** (not a bound) whose stream budgets are first order (issue 12).
+
+The certified radius of ``taylor`` is limited by two kinds of slack: the stream
+budgets ``β`` (norm bounds, docs/taylor.md §8), and the per-unit relaxations
+of the ReLU flips (the chords, §5), which no budget removes. This bench
+measures the first kind's share: it re-runs the radius search with every
+stream budget replaced by ``min(β, c‖J_{m←x}‖ε)`` (whole and per token) and the
+propagated remainders ``acc`` set to zero — the budgets of a network that is
+linear up to ``c`` between the image and each stream state. PGD finds the
+stream of the digits lipschitz model moving by ``‖J_{m←x}‖ε`` to within 2 %
+at the certified radius, so ``c = 1.2`` is an optimistic, **unsound** stand-in
+for the best budgets any method could prove. What the oracle leaves is the
+chords' and the first-order term's share.
+
+With ``--radius-json`` (the JSON of ``lipvit attack --radius`` on the same
+checkpoint and ``--n``), both radii are also compared with the attack radius,
+point by point (joined on the test-set index).
+
+Usage::
+
+    python bench/taylor_ceiling.py --ckpt lip.pt --n 20 --radius-json radius.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from contextlib import contextmanager
+
+import torch
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify import taylor
+from lipvit.certify.sites import forward
+
+from lipvit.commands import _common as C
+
+
+@contextmanager
+def first_order_budgets(c: float):
+    """Within the block, :func:`taylor.taylor_bound`'s stream budgets are the
+    oracle's (module docstring): **not** sound."""
+    sound = taylor._budget
+
+    def oracle(e, jn, sym, m, acc, chain, acc_token=None):
+        b = sound(e, jn, sym, m, acc, chain, acc_token)
+        whole = torch.minimum(b.all, c * jn.stream[:, m] * e)
+        token = torch.minimum(b.token, c * jn.stream_token[:, m] * e[:, None])
+        return taylor.Budget(whole, torch.minimum(token, whole[:, None]),
+                             torch.zeros_like(b.acc), torch.zeros_like(b.acc_token))
+
+    taylor._budget = oracle
+    try:
+        yield
+    finally:
+        taylor._budget = sound
+
+
+def _attack_radii(path: str, index: list[int]) -> torch.Tensor:
+    """Attack radius per point of ``index`` (NaN where the JSON has none)."""
+    with open(path) as f:
+        samples = json.load(f)["samples"]
+    by_index = {s["index"]: s["radius"] for s in samples}
+    return torch.tensor([by_index.get(i) if by_index.get(i) is not None
+                         else float("nan") for i in index], dtype=torch.float64)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--factor", type=float, default=1.2,
+                        help="the oracle's budgets: this times the first-order move")
+    parser.add_argument("--rtol", type=float, default=1e-2)
+    parser.add_argument("--radius-json", help="lipvit attack --radius JSON")
+    parser.add_argument("--pgd-steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ckpt = C.load_checkpoint(args.ckpt)
+    model = ckpt.model.double().eval()
+    data = C.load_test_set(ckpt, n=args.n)
+    x, y = data.x.double(), data.y
+    attack = (_attack_radii(args.radius_json, list(data.index))
+              if args.radius_json else None)
+
+    tb = taylor.taylor_bound(model, x, y)
+    rows = []
+    for name, ctx in (("taylor (sound)", None),
+                      (f"oracle budgets {args.factor}x first order (NOT sound)",
+                       first_order_budgets(args.factor))):
+        t0 = time.process_time()
+        if ctx is None:
+            r = tb.radius(rtol=args.rtol)
+            sound = r
+        else:
+            with ctx:
+                r = taylor.taylor_bound(model, x, y).radius(rtol=args.rtol)
+        rows.append((name, r, time.process_time() - t0))
+    rows.append(("first-order limit (estimate)", tb.first_order_radius(), 0.0))
+
+    print(f"{args.ckpt}: n={len(y)}, rtol={args.rtol}")
+    print("| radius | median | median / attack radius | CPU s/sample |")
+    print("|---|---|---|---|")
+    for name, r, t in rows:
+        ratio = "—"
+        if attack is not None:
+            ok = attack.isfinite() & (attack > 0)
+            ratio = f"{(r[ok] / attack[ok]).median().item():.3f}"
+        print(f"| {name} | {r.median().item():.4g} | {ratio} | {t / len(y):.2f} |")
+    _budgets_at(model, x, tb, sound, args.pgd_steps)
+
+
+def _budgets_at(model, x, tb, r, steps: int) -> None:
+    """Per stream state, medians over the certified points of the sound budget,
+    the first-order move ``‖J_{m←x}‖`` and the largest move PGD finds, each
+    over ε = the point's certified radius."""
+    _, budgets, _ = tb.walk(r)
+    ok = r > 0
+    print(f"\nAt each point's certified radius ({int(ok.sum())} points), "
+          "stream move / ε, medians:")
+    print("| state | budget (sound) | first order ‖J‖ | PGD |")
+    print("|---|---|---|---|")
+    for m, b in enumerate(budgets):
+        def state(u, m=m):
+            return forward(model, u)[1].stream[m].flatten(1)
+        found = pgd_deviation(state, x[ok], r[ok], steps=steps, restarts=2)
+        first = tb.jacobians.stream[ok, m].median().item()
+        print(f"| s_{m} | {(b.all[ok] / r[ok]).median().item():.2f} "
+              f"| {first:.2f} | {(found / r[ok]).median().item():.2f} |")
+
+
+if __name__ == "__main__":
+    main()
