@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _points import float64_points
 from lipvit.certify.local import (
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
@@ -25,17 +26,13 @@ from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward, subblock_norms
 
-from lipvit.commands import _common as C
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--n", type=int, default=20)
     args = parser.parse_args()
-    ckpt = C.load_checkpoint(args.ckpt)
-    model = ckpt.model.double().eval()
-    x = C.load_test_set(ckpt, n=args.n).x.double()
+    model, x, _, _ = float64_points(args.ckpt, args.n)
     with torch.no_grad():
         clean = forward(model, x)[1]
         exact = subblock_norms(model, clean, max_size=x[0].numel() * 10**6)

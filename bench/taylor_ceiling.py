@@ -30,11 +30,10 @@ import time
 from contextlib import contextmanager
 
 import torch
+from _points import float64_points
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify import taylor
 from lipvit.certify.sites import forward
-
-from lipvit.commands import _common as C
 
 
 @contextmanager
@@ -77,12 +76,8 @@ def main() -> None:
     parser.add_argument("--pgd-steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ckpt = C.load_checkpoint(args.ckpt)
-    model = ckpt.model.double().eval()
-    data = C.load_test_set(ckpt, n=args.n)
-    x, y = data.x.double(), data.y
-    attack = (_attack_radii(args.radius_json, list(data.index))
-              if args.radius_json else None)
+    model, x, y, index = float64_points(args.ckpt, args.n)
+    attack = _attack_radii(args.radius_json, index) if args.radius_json else None
 
     tb = taylor.taylor_bound(model, x, y)
     rows = []

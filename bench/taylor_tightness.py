@@ -26,12 +26,11 @@ import math
 import time
 
 import torch
+from _points import float64_points
 from lipvit.analysis.pgd import pgd_margin_drop
 from lipvit.certify.certification import certified_radius, margin
 from lipvit.certify.network import network_bound
 from lipvit.certify.taylor import taylor_bound
-
-from lipvit.commands import _common as C
 
 
 def main() -> None:
@@ -45,10 +44,7 @@ def main() -> None:
                         help="ReLU symbols per sample and block (taylor_bound)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ckpt = C.load_checkpoint(args.ckpt)
-    model = ckpt.model.double().eval()
-    data = C.load_test_set(ckpt, n=args.n)
-    x, y = data.x.double(), data.y
+    model, x, y, _ = float64_points(args.ckpt, args.n)
 
     t0 = time.process_time()
     tb = taylor_bound(model, x, y, max_symbols=args.max_symbols)
