@@ -546,10 +546,11 @@ def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
                 found = pgd_deviation(token, x, eps, steps=30, restarts=2)
                 assert torch.all(found <= budget.token[:, t] * (1 + 1e-9)), (eps, m, t)
                 assert torch.all(budget.token[:, t] <= budget.all * (1 + 1e-12))
-            def whole(v, m=m):
-                return forward(model, v)[1].stream[m].flatten(1)
-            found = pgd_deviation(whole, x, eps, steps=30, restarts=2)
-            assert torch.all(found <= budget.all * (1 + 1e-9)), (eps, m)
+            if eps == 3e-2:  # the whole matrix, at the larger ε
+                def whole(v, m=m):
+                    return forward(model, v)[1].stream[m].flatten(1)
+                found = pgd_deviation(whole, x, eps, steps=30, restarts=2)
+                assert torch.all(found <= budget.all * (1 + 1e-9)), (eps, m)
         if family == "lipschitz":
             for mid, out in zip(budgets[1::2], budgets[2::2], strict=True):
                 assert torch.all(out.all <= mid.all)
