@@ -34,7 +34,7 @@ Perturbation budgets β (docs/taylor.md §8). On the residual stream
 * **Lipschitz**: from the sub-block's input budget alone, ``β_mid ≤ λβ +
   ‖J_a‖‖r_N‖ + ‖r_a‖`` (attention) and ``β_out ≤ β_mid`` (``SLL∘P₂``,
   1-Lipschitz per token) or ``λ_t β_t + R_t`` (a standard MLP), whole and per
-  token (:func:`_attention_lipschitz`, :func:`_capped`).
+  token (:func:`_after_attention`, :func:`_capped`).
 
 A Frobenius projection's remainder takes its share by direction
 (docs/taylor.md §3): ``s(−gᵀx̂)₊ + l |g_⊥ᵀΓ|``, with ``|x̂ᵀΓ|`` (in ``s`` and
@@ -145,7 +145,8 @@ def _attention_gains(
 
 def _after_attention(
     e: Tensor, jn: JacobianNorms, sym: Carried, m: int, b: Budget,
-    a: AttentionGains, r_N: Tensor, r_a: Tensor, chain: Tensor
+    a: AttentionGains, r_N: Tensor, r_a: Tensor, chain: Tensor, r_whole: Tensor,
+    b_p: Tensor,
 ) -> Budget:
     """Stream state ``m``'s budget after the attention sub-block, docs/taylor.md §8.
 
@@ -153,24 +154,19 @@ def _after_attention(
     norm's remainder, ``r_a`` the attention's); token ``t`` keeps its own
     ``acc_t`` (the residual) and receives at most ``‖(J_a)_t‖`` times the
     attention input's other perturbations ``‖J_N‖ acc + ‖r_N‖``, plus ``r_a``.
+
+    Lipschitz recursion, from the input's budget alone:
+    ``Γ_mid = (I + J_a J_N)Γ + J_a r + r_a`` gives ``λβ + ‖J_a‖‖r‖ + ‖r_a‖``
+    (``‖r‖ ≤ r_whole``, the norm's whole remainder, symbols included), and token
+    ``t`` moves by ``Γ_t + (J_a ΔP)_t + (r_a)_t``, at most
+    ``β_t + ‖(J_a)_t‖ β_p + ‖r_a‖`` (``β_p`` the attention input's budget).
     """
     acc = a.lam * b.acc + r_a + a.J_a * r_N
     into = a.L_N * b.acc + r_N  # (B,)
     acc_token = b.acc_token + a.rows * into[:, None] + r_a[:, None]
-    return _budget(e, jn, sym, m, acc, chain, acc_token)
-
-
-def _attention_lipschitz(
-    b: Budget, a: AttentionGains, r_N: Tensor, r_a: Tensor, b_p: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Bounds ``(B,)`` and ``(B, N)`` on the attention sub-block's output change
-    from its input's budget alone (docs/taylor.md §8, Lipschitz recursion):
-    ``Γ_mid = (I + J_a J_N)Γ + J_a r_N + r_a`` gives ``λβ + ‖J_a‖‖r_N‖ + ‖r_a‖``
-    (``r_N`` the norm's whole remainder), and token ``t`` moves by
-    ``Γ_t + (J_a ΔP)_t + (r_a)_t``, at most ``β_t + ‖(J_a)_t‖ β_p + ‖r_a‖``
-    (``β_p`` the attention input's budget)."""
-    whole = a.lam * b.all + a.J_a * r_N + r_a
-    return whole, b.token + a.rows * b_p[:, None] + r_a[:, None]
+    budget = _budget(e, jn, sym, m, acc, chain, acc_token)
+    return _capped(budget, a.lam * b.all + a.J_a * r_whole + r_a,
+                   b.token + a.rows * b_p[:, None] + r_a[:, None])
 
 
 def _capped(b: Budget, whole: Tensor, token: Tensor) -> Budget:
@@ -350,9 +346,9 @@ def _lipschitz_block(
         rest = sym.attn_in(k) + L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
-        mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid)
         r1_whole = r1_norm + torch.linalg.vector_norm(split1.s, dim=-1)  # + radial
-        mid = _capped(mid, *_attention_lipschitz(b, gains, r1_whole, r_a, b_p))
+        mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
+                               r1_whole, b_p)
         split2 = layer_project_split(n_mid, P2.radius, mid.token)
         propagate_radial(model, clean, k, "norm2", split2.s, sym)
         r2 = split2.rest
@@ -465,8 +461,8 @@ def _standard_block(
         rest = L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
-        mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid)
-        mid = _capped(mid, *_attention_lipschitz(b, gains, r1_norm, r_a, b_p))
+        mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
+                               r1_norm, b_p)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)
         delta = (jn.act_in[k] * e[:, None, None] + gain * mid.acc_token[..., None]
                  + r2.at(mid.token)[..., None] * w1_norm)  # (B, N, m)
@@ -480,11 +476,11 @@ def _standard_block(
         # The sub-block is token-wise: token t's other remainders are at most
         # λ_t acc + R_t, and all of them ‖(λ_t acc + R_t)_t‖ ≤ max λ_t acc + ‖R‖.
         acc_t = lam_t * mid.acc_token + R_t  # (B, N)
-        acc_out = lam_t.amax(-1) * mid.acc + torch.linalg.vector_norm(R_t, dim=-1)
+        R = torch.linalg.vector_norm(R_t, dim=-1)
+        acc_out = lam_t.amax(-1) * mid.acc + R
         out = _budget(e, jn, sym, m_mid + 1, acc_out, chain_out, acc_t)
         # Lipschitz recursion: token t moves by at most λ_t β_t + R_t.
         lip_t = lam_t * mid.token + R_t  # (B, N)
-        R = torch.linalg.vector_norm(R_t, dim=-1)
         lip = torch.minimum(torch.linalg.vector_norm(lip_t, dim=-1),
                             lam_t.amax(-1) * mid.all + R)
         out = _capped(out, lip, lip_t)
