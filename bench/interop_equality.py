@@ -33,28 +33,29 @@ def main() -> None:
     import safetensors.torch
 
     torch.set_num_threads(1)
-    root = Path(tempfile.mkdtemp(prefix="lipvit-interop-"))
-    header = ("dtype", "importer", "max |logit diff|", "max |logit|")
-    print(f"{header[0]:8}  {header[1]:12}  {header[2]:>16}  {header[3]:>11}")
-    for dtype in (torch.float32, torch.float64):
-        name = str(dtype).removeprefix("torch.")
-        x = images(dtype, n=256)
-        hf = random_hf_vit(dtype, seed=0)
-        hf.save_pretrained(root / f"hf-{name}")
-        timm_ref = random_hf_vit(dtype, seed=1, layer_norm_eps=1e-6)
-        weights = root / f"timm-{name}.safetensors"
-        safetensors.torch.save_file(timm_layout(timm_ref), str(weights))
-        weights.with_suffix(".json").write_text(json.dumps({"num_heads": 4}))
-        for importer, path, ref in (
-            ("transformers", root / f"hf-{name}", hf),
-            ("timm", weights, timm_ref),
-        ):
-            theirs = hf_logits(ref, x)
-            with torch.no_grad():
-                ours = load_checkpoint(path).model(x)
-            diff = float((ours - theirs).abs().max())
-            top = float(theirs.abs().max())
-            print(f"{name:8}  {importer:12}  {diff:16.3e}  {top:11.3g}")
+    with tempfile.TemporaryDirectory(prefix="lipvit-interop-") as tmp:
+        root = Path(tmp)
+        header = ("dtype", "importer", "max |logit diff|", "max |logit|")
+        print(f"{header[0]:8}  {header[1]:12}  {header[2]:>16}  {header[3]:>11}")
+        for dtype in (torch.float32, torch.float64):
+            name = str(dtype).removeprefix("torch.")
+            x = images(dtype, n=256)
+            hf = random_hf_vit(dtype, seed=0)
+            hf.save_pretrained(root / f"hf-{name}")
+            timm_ref = random_hf_vit(dtype, seed=1, layer_norm_eps=1e-6)
+            weights = root / f"timm-{name}.safetensors"
+            safetensors.torch.save_file(timm_layout(timm_ref), str(weights))
+            weights.with_suffix(".json").write_text(json.dumps({"num_heads": 4}))
+            for importer, path, ref in (
+                ("transformers", root / f"hf-{name}", hf),
+                ("timm", weights, timm_ref),
+            ):
+                theirs = hf_logits(ref, x)
+                with torch.no_grad():
+                    ours = load_checkpoint(path).model(x)
+                diff = float((ours - theirs).abs().max())
+                top = float(theirs.abs().max())
+                print(f"{name:8}  {importer:12}  {diff:16.3e}  {top:11.3g}")
 
 
 if __name__ == "__main__":

@@ -37,20 +37,21 @@ def main() -> None:
     torch.set_num_threads(1)
 
     data = load_dataset("digits")
-    path = args.ckpt
-    if path is None:
-        path = Path(tempfile.mkdtemp(prefix="lipvit-cert-")) / "lipschitz.pt"
-        cfg = lipvit.preset(
-            "digits-tiny", family="lipschitz", mean=data.mean, std=data.std
-        )
-        train(
-            cfg,
-            train_config_for("lipschitz", epochs=args.epochs, device="cpu"),
-            data,
-            path,
-            progress=False,
-        )
-    model = load_checkpoint(path).model.double()
+    with tempfile.TemporaryDirectory(prefix="lipvit-cert-") as tmp:
+        path = args.ckpt
+        if path is None:  # trained into a directory removed on exit
+            path = Path(tmp) / "lipschitz.pt"
+            cfg = lipvit.preset(
+                "digits-tiny", family="lipschitz", mean=data.mean, std=data.std
+            )
+            train(
+                cfg,
+                train_config_for("lipschitz", epochs=args.epochs, device="cpu"),
+                data,
+                path,
+                progress=False,
+            )
+        model = load_checkpoint(path).model.double()
     x, y = data.x_test[: args.n].double(), data.y_test[: args.n]
 
     bound = network_bound(model, x, "lofast")  # ε-independent work, done once

@@ -45,18 +45,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    directory = args.hf_dir
-    if directory is None:
-        directory = Path(tempfile.mkdtemp(prefix="lipvit-hf-")) / "vit"
-        small_transformers_vit(args.seed).save_pretrained(directory)
-    model = load_checkpoint(directory).model.double()
-    data = load_dataset("digits")
-    x, y = data.x_test[: args.n].double(), data.y_test[: args.n]
-
     import transformers
 
-    reference = transformers.ViTForImageClassification.from_pretrained(directory)
+    with tempfile.TemporaryDirectory(prefix="lipvit-hf-") as tmp:
+        directory = args.hf_dir
+        if directory is None:  # saved into a directory removed on exit
+            directory = Path(tmp) / "vit"
+            small_transformers_vit(args.seed).save_pretrained(directory)
+        model = load_checkpoint(directory).model.double()
+        reference = transformers.ViTForImageClassification.from_pretrained(directory)
     reference = reference.double().eval()
+    data = load_dataset("digits")
+    x, y = data.x_test[: args.n].double(), data.y_test[: args.n]
     with torch.no_grad():
         cfg = model.config
         mean = torch.tensor(cfg.mean, dtype=x.dtype).reshape(1, -1, 1, 1)
