@@ -90,7 +90,9 @@ def layer_project_remainder(
     """Remainder of ``p(x) = x R/max(‖x‖, R)`` on ``‖Γ‖ ≤ β``, docs/taylor.md §3.
 
     Autograd's Jacobian is ``I`` where ``‖x‖ < R`` and ``R(I − x̂x̂ᵀ)/‖x‖`` where
-    ``‖x‖ ≥ R`` (``clamp_min`` passes the gradient at equality). Cases:
+    ``‖x‖ ≥ R`` (``clamp_min`` passes the gradient at equality); at ``‖x‖ = R`` up
+    to rounding, where the forward pass may have taken the other side, the
+    bounds below (and the split's) hold with either Jacobian. Cases:
 
     * ``‖x‖ < R``: ``r = p(x+Γ) − (x+Γ)``, of norm ``(‖x+Γ‖ − R)₊ ≤
       (‖x‖ + b − R)₊``: zero while the ball stays inside, linear when it

@@ -41,9 +41,11 @@ F64 = torch.float64
 SEEDS = range(2)
 
 
-def _remainder_fn(phi, u0):
-    """``U ↦ φ(U) − φ(u0) − Dφ(u0)(U − u0)`` (autograd's Jacobian), batched over U."""
-    J = torch.func.jacrev(phi)(u0).reshape(phi(u0).numel(), u0.numel())
+def _remainder_fn(phi, u0, J=None):
+    """``U ↦ φ(U) − φ(u0) − J(U − u0)`` batched over U; ``J`` autograd's Jacobian
+    ``Dφ(u0)`` unless given."""
+    if J is None:
+        J = torch.func.jacrev(phi)(u0).reshape(phi(u0).numel(), u0.numel())
     f0 = phi(u0).detach()
 
     def r(U):
@@ -168,6 +170,44 @@ def test_layer_project_directional_brute_force(seed, norm, beta):
     found = rem @ w
     assert torch.all(found <= share * (1 + 1e-9) + 1e-15)
     assert bool((found > 0).any())
+
+
+@pytest.mark.parametrize("side", [-1, 1])
+@pytest.mark.parametrize("beta", [0.05, 0.5])
+def test_layer_project_bounds_hold_for_either_jacobian_at_the_radius(side, beta):
+    """At ``‖x‖ = R`` up to rounding, the forward pass may have taken the other side
+    than the bounds' float norm says (another reduction order): the plain bound,
+    the split's ``r'`` and the direction-aware ``−τx̂ + cΓ_⊥`` must hold with
+    either Jacobian, ``I`` or ``R(I − x̂x̂ᵀ)/‖x‖`` (§3)."""
+    g = torch.Generator().manual_seed(7)
+    D, R = 6, 1.0
+    x = torch.randn(D, generator=g, dtype=F64)
+    x = x / x.norm() * (R * (1 + side * 1e-15))
+    x_hat = x / x.norm()
+    n, b = x.norm().reshape(1, 1), torch.tensor([[beta]], dtype=F64)
+    plain = float(layer_project_remainder(n, R, b[0]).at(b))
+    split = layer_project_split(n, R, b)
+    G = torch.randn(600, D, generator=g, dtype=F64)
+    G[:100] = x_hat * torch.randn(100, 1, generator=g, dtype=F64).sign()  # radial
+    G = G / G.norm(dim=1, keepdim=True) * beta
+    G[300:] *= torch.rand(300, 1, generator=g, dtype=F64)
+    eye = torch.eye(D, dtype=F64)
+    for J in (eye, R * (eye - torch.outer(x_hat, x_hat)) / x.norm()):
+        rem = _remainder_fn(lambda v: layer_project(v, R), x, J)(x + G)
+        assert float(rem.norm(dim=1).max()) <= plain * (1 + 1e-9)
+        sigma = (-(rem @ x_hat)).clamp(0, float(split.s))  # some σ ∈ [0, s]
+        r_rest = (rem + sigma[:, None] * x_hat).norm(dim=1)
+        assert torch.all(r_rest <= split.rest.at(G.norm(dim=1)[:, None])[:, 0]
+                         * (1 + 1e-9) + 1e-15)
+        if side < 0:
+            continue  # the direction-aware split is for the outside only
+        A = (G @ x_hat).abs()[:, None]
+        turn = layer_project_directional(n.expand(600, 1), R, b.expand(600, 1), A)
+        tau = -(rem @ x_hat)
+        assert torch.all(tau >= -1e-14) and torch.all(tau <= turn.s[:, 0] * (1 + 1e-9))
+        G_perp = (G - (G @ x_hat)[:, None] * x_hat).norm(dim=1)
+        r_perp = (rem + tau[:, None] * x_hat).norm(dim=1)
+        assert torch.all(r_perp <= turn.rest.lin[:, 0] * G_perp * (1 + 1e-9) + 1e-14)
 
 
 @pytest.mark.parametrize("kw, seed", [({}, 0), ({}, 1), ({"depth": 3}, 0),
