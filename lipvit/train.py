@@ -45,6 +45,7 @@ from lipvit.model import ViT
 from lipvit.msvp import MSVP, attention_modules
 from lipvit.runtime import cpu_threads, resolve_device  # noqa: F401 (re-exported)
 from lipvit.spectral import spectral_norm
+from lipvit.stability import ReLUStability
 
 Optimizer = Literal["sgd", "adamw"]
 AdvTrain = Literal["none", "pgd-linf", "pgd-l2"]
@@ -85,6 +86,11 @@ class TrainConfig:
             clean margin past it. A certificate needs ``margin > √2 δ_out``
             (LoFAST Prop. 1), hence this is what buys certified radius; 0 is
             plain cross-entropy.
+        relu_stability: weight ``λ`` of the ReLU-stability penalty on the SLL
+            units of a lipschitz model (:mod:`lipvit.stability`, training for
+            the ``taylor`` certificate); 0 disables.
+        stability_radius: ``κ``, the per-token move at an SLL block's input that
+            the penalty asks each unit to withstand without changing sign.
         augment: apply the dataset's random crop / flip (:attr:`Dataset.augment`).
         seed: seeds initialisation, batch order, augmentation and PGD starts.
         deterministic: ``torch.use_deterministic_algorithms(True)`` during
@@ -111,6 +117,8 @@ class TrainConfig:
     adv_steps: int = 10
     loss_scale: float = 1.0
     margin: float = 0.0
+    relu_stability: float = 0.0
+    stability_radius: float = 0.25
     augment: bool = True
     seed: int = 0
     deterministic: bool = False
@@ -136,7 +144,8 @@ class TrainConfig:
             raise ValueError(
                 f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}"
             )
-        for name in ("weight_decay", "warmup", "grad_clip", "adv_eps"):
+        for name in ("weight_decay", "warmup", "grad_clip", "adv_eps",
+                     "relu_stability"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -146,8 +155,10 @@ class TrainConfig:
             )
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be a finite number >= 0, got {self.margin}")
-        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
-            raise ValueError(f"loss_scale must be > 0, got {self.loss_scale}")
+        for name in ("loss_scale", "stability_radius"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value}")
         msvp = tuple(float(m) for m in self.msvp)
         if len(msvp) != 3 or any(not (math.isfinite(m) and m >= 0) for m in msvp):
             raise ValueError(
@@ -240,13 +251,18 @@ class EpochLog(NamedTuple):
     lr: float
     seconds: float
     cpu_seconds: float = 0.0  # process CPU time of the epoch (shared machines)
+    relu_unstable: float | None = None  # fraction of SLL units not κ-stable
 
     def line(self, epochs: int) -> str:
         """The log line printed after the epoch."""
         sigma = "n/a" if self.sigma_max_mean is None else f"{self.sigma_max_mean:.3f}"
+        unstable = (
+            "" if self.relu_unstable is None else f"  unstable {self.relu_unstable:.3f}"
+        )
         return (
             f"epoch {self.epoch:>3}/{epochs}  loss {self.loss:.4f}  "
-            f"msvp {self.msvp_penalty:.2e}  train {100 * self.train_acc:5.1f}%  "
+            f"msvp {self.msvp_penalty:.2e}{unstable}  "
+            f"train {100 * self.train_acc:5.1f}%  "
             f"test {100 * self.test_acc:5.1f}%  sigma_max {sigma}  "
             f"lr {self.lr:.2e}  {self.seconds:.1f}s"
         )
@@ -483,13 +499,15 @@ def train_step(
     cfg: TrainConfig,
     msvp: MSVP | None = None,
     *,
+    stability: ReLUStability | None = None,
     net: nn.Module | None = None,
     generator: torch.Generator | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One optimisation step on the batch ``(x, y)`` (already augmented).
 
-    PGD (if ``cfg.adv_train``), forward, ``CE(loss_scale · logits) + MSVP``,
+    PGD (if ``cfg.adv_train``), forward, ``CE(loss_scale · logits) + MSVP``
+    (+ the ReLU-stability penalty of the forward pass, with ``stability``),
     backward, gradient clipping, optimizer step. The learning rate is whatever
     ``optimizer`` holds. Every parametrised (capped) weight is computed once
     per step (``parametrize.cached``) and shared by PGD, the forward pass and
@@ -517,17 +535,20 @@ def train_step(
                 generator=generator,
                 autocast=ctx,
             )
+        if stability is not None:
+            stability.clear()  # PGD's forward passes do not count
         with ctx():
             logits = net(x)
         loss = margin_cross_entropy(
             logits.float(), y, cfg.loss_scale, cfg.margin, cfg.label_smoothing
         )
+        objective = loss if stability is None else loss + stability()
         if msvp is not None:
             penalty, _ = msvp()
-            (loss + penalty).backward()
+            (objective + penalty).backward()
         else:
             penalty = torch.zeros((), device=x.device)
-            loss.backward()
+            objective.backward()
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
@@ -653,6 +674,11 @@ def _train(
         if any(cfg.msvp)
         else None
     )
+    stability = (
+        ReLUStability(model, cfg.relu_stability, cfg.stability_radius)
+        if cfg.relu_stability > 0
+        else None
+    )
     groups = _param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
@@ -716,7 +742,8 @@ def _train(
             for group in opt.param_groups:
                 group["lr"] = lr
             loss, penalty, logits = train_step(
-                model, opt, x, y, cfg, msvp, net=net, generator=gen, autocast=autocast
+                model, opt, x, y, cfg, msvp, stability=stability, net=net,
+                generator=gen, autocast=autocast,
             )
             if msvp is not None:
                 pen_sum += penalty
@@ -754,6 +781,7 @@ def _train(
             lr=lr,
             seconds=time.perf_counter() - t0,
             cpu_seconds=time.process_time() - cpu0,
+            relu_unstable=None if stability is None else stability.take_unstable(),
         )
         history.append(record._asdict())
         extra = {

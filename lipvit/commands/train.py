@@ -157,6 +157,20 @@ def _defaults_help(name: str) -> str:
     f"this much (buys certified radius) [default: {_defaults_help('margin')}].",
 )
 @click.option(
+    "--relu-stability",
+    type=float,
+    default=None,
+    help="Weight of the ReLU-stability penalty on the SLL units (lipschitz "
+    "family): trains for the taylor certificate [default: 0, off].",
+)
+@click.option(
+    "--stability-radius",
+    type=float,
+    default=None,
+    help="Per-token move at an SLL block's input that each unit should withstand "
+    "without changing sign [default: 0.25].",
+)
+@click.option(
     "--augment/--no-augment",
     default=None,
     help="Random crop/flip suited to the dataset [default: on].",
