@@ -803,6 +803,8 @@ def _train(
             )
         emit(record.line(cfg.epochs))
 
+    if stability is not None:
+        stability.remove()
     if extra is None:  # resumed a finished run: nothing trained
         extra = {
             "epoch": cfg.epochs,
