@@ -59,7 +59,7 @@ class ReLUStability:
             )
         self.weight, self.radius = float(weight), float(radius)
         self._seen: list[tuple[Tensor, Tensor]] = []
-        self._unstable = torch.zeros(())
+        self._unstable: Tensor | float = 0.0  # sum over calls, on the device
         self._batches = 0
         self._handles = [m.fc1.register_forward_hook(self._keep) for m in layers]
 
@@ -84,9 +84,7 @@ class ReLUStability:
             hinges.append(hinge.mean())
             unstable.append((hinge > 0).float().mean().detach())
         self._seen.clear()
-        self._unstable = self._unstable.to(unstable[0].device) + torch.stack(
-            unstable
-        ).mean()
+        self._unstable = self._unstable + torch.stack(unstable).mean()
         self._batches += 1
         return self.weight * torch.stack(hinges).mean()
 
@@ -96,7 +94,7 @@ class ReLUStability:
         if self._batches == 0:
             return None
         out = float(self._unstable) / self._batches
-        self._unstable, self._batches = torch.zeros(()), 0
+        self._unstable, self._batches = 0.0, 0
         return out
 
     def remove(self) -> None:
