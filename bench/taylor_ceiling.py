@@ -56,6 +56,24 @@ def first_order_budgets(c: float):
         taylor._budget = sound
 
 
+@contextmanager
+def counting_flips(counts: list):
+    """Within the block, every call of the certificate's ReLU flip range appends
+    the number of units that can change sign, ``(B,)``, to ``counts``."""
+    sound = taylor.flip_range
+
+    def counted(z, delta):
+        rho = sound(z, delta)
+        counts.append((rho > 0).flatten(1).sum(1))
+        return rho
+
+    taylor.flip_range = counted
+    try:
+        yield
+    finally:
+        taylor.flip_range = sound
+
+
 def _attack_radii(path: str, index: list[int]) -> torch.Tensor:
     """Attack radius per point of ``index`` (NaN where the JSON has none)."""
     with open(path) as f:
@@ -108,8 +126,15 @@ def _budgets_at(model, x, tb, r, steps: int) -> None:
     """Per stream state, medians over the certified points of the sound budget,
     the first-order move ``‖J_{m←x}‖`` and the largest move PGD finds, each
     over ε = the point's certified radius."""
-    _, budgets, _ = tb.walk(r)
+    flips: list = []
+    with counting_flips(flips):
+        _, budgets, _ = tb.walk(r)
     ok = r > 0
+    if flips:  # a lipschitz model: one count per block
+        units = tb.jacobians.act_in[0][0].numel()  # N·m ReLU units per block
+        print(f"\nReLU units (of {units} per block) that can change sign at the "
+              "certified radius, medians per block: "
+              + " / ".join(f"{c[ok].median().item():.0f}" for c in flips))
     print(f"\nAt each point's certified radius ({int(ok.sum())} points), "
           "stream move / ε, medians:")
     print("| state | budget (sound) | first order ‖J‖ | PGD |")
