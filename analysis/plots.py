@@ -575,6 +575,7 @@ def plot_tsne(
     color_by: Literal["source", "class"] = "source",
     attacked_label: str = "attacked",
     title: str | None = None,
+    class_names: Sequence[str] | None = None,
     path: PathLike | None = None,
     pdf: bool = False,
 ) -> Figure:
@@ -588,6 +589,9 @@ def plot_tsne(
         color_by: ``"source"``: clean green, attacked orange (the paper's
             colours); ``"class"``: colour by class, marker by source.
         attacked_label: legend text for attacked points (e.g. ``"PGD ε=8/255"``).
+        class_names: ``color_by="class"``: legend name of class ``c`` is
+            ``class_names[c]`` (:attr:`lipvit.data.Dataset.class_names`);
+            ``None``: the class number.
         path, pdf: where to save.
     """
     emb = np.asarray(embedding, dtype=float)
@@ -613,7 +617,8 @@ def plot_tsne(
                 ax.scatter(emb[sel, 0], emb[sel, 1], s=10, marker=marker,
                            c=f"C{i % 10}", alpha=0.7,
                            linewidths=0.8 if marker == "x" else 0)
-        handles = [Patch(color=f"C{i % 10}", label=str(c))
+        handles = [Patch(color=f"C{i % 10}",
+                         label=str(c) if class_names is None else class_names[c])
                    for i, c in enumerate(classes)]
         ax.legend(handles=handles, title="class (o clean, x attacked)",
                   fontsize="x-small", loc="best", ncols=2)

@@ -6,8 +6,11 @@ Shapes: ``n`` images, ``C`` channels, ``S`` image side, ``B`` batch.
 in ``[0, 1]`` of shape ``(n, C, S, S)`` and whose labels are int64, already on
 the requested device (airbench style: no data loader, batches are indexed with
 a device permutation). ``digits`` (scikit-learn's bundled 8×8 digits) needs no
-files; ``cifar10``, ``cifar100``, ``svhn`` and ``mnist`` are read from their
-standard distribution files in ``data_dir`` without torchvision.
+files; ``cifar10``, ``cifar100``, ``svhn``, ``mnist`` and ``fashion-mnist`` are
+read from their standard distribution files in ``data_dir`` without torchvision
+(``fashion-mnist`` defaults to :data:`DEFAULT_DATA_DIRS`, where Debian's
+``dataset-fashion-mnist`` package puts it). :attr:`Dataset.class_names` names
+the classes for reports and figures.
 
 :func:`augment` is the batched random crop (with padding) and horizontal flip,
 as tensor ops on the device; which of them a dataset uses is its
@@ -19,6 +22,7 @@ from __future__ import annotations
 import gzip
 import pickle
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +33,50 @@ from torch import Tensor
 
 from lipvit.errors import DataError
 
-DATASETS = ("digits", "mnist", "svhn", "cifar10", "cifar100")
+DATASETS = ("digits", "mnist", "fashion-mnist", "svhn", "cifar10", "cifar100")
+
+DEFAULT_DATA_DIRS: dict[str, Path] = {
+    "fashion-mnist": Path("/usr/share/datasets/fashion-mnist"),
+}
+"""Where a dataset is read from when no ``data_dir`` is given (Debian's
+``dataset-fashion-mnist`` package installs the four idx files there)."""
+
+
+def default_dirs_text() -> str:
+    """The default directories for a ``--data-dir`` help text:
+    ``default for fashion-mnist: /usr/share/datasets/fashion-mnist``."""
+    dirs = ", ".join(f"{name}: {path}" for name, path in DEFAULT_DATA_DIRS.items())
+    return f"default for {dirs}"
+
+
+CLASS_NAMES: dict[str, tuple[str, ...]] = {
+    "fashion-mnist": (
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ),
+    "cifar10": (
+        "airplane",
+        "automobile",
+        "bird",
+        "cat",
+        "deer",
+        "dog",
+        "frog",
+        "horse",
+        "ship",
+        "truck",
+    ),
+}
+"""Names of the classes ``0, 1, ...`` of the datasets whose labels are not the
+digits themselves (see :func:`class_names`)."""
 
 PathLike = str | Path
 
@@ -88,6 +135,11 @@ class Dataset:
     def device(self) -> torch.device:
         return self.x_train.device
 
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """Name of every class (:func:`class_names`)."""
+        return class_names(self.name, self.num_classes)
+
     def to(self, device: str | torch.device) -> Dataset:
         """The same dataset with every tensor on ``device``."""
         return Dataset(
@@ -113,7 +165,18 @@ class Dataset:
             "in_chans": self.in_chans,
             "mean": list(self.mean),
             "std": list(self.std),
+            "class_names": list(self.class_names),
         }
+
+
+def class_names(dataset: str | None, num_classes: int) -> tuple[str, ...]:
+    """Names of classes ``0 .. num_classes - 1`` of ``dataset`` for reports and
+    figures: :data:`CLASS_NAMES` where it has them (Fashion-MNIST's "T-shirt/top",
+    ...), else the class numbers as text ("0", "1", ...: digits, SVHN)."""
+    names = CLASS_NAMES.get(dataset or "", ())
+    if len(names) == num_classes:
+        return names
+    return tuple(str(i) for i in range(num_classes))
 
 
 # ------------------------------------------------------------------ augmentation
@@ -170,8 +233,10 @@ def load_dataset(
     Args:
         name: ``"digits"`` (bundled with scikit-learn, 1437 train / 360 test
             images from a fixed seeded stratified split), ``"mnist"``,
-            ``"svhn"``, ``"cifar10"`` or ``"cifar100"`` (from ``data_dir``).
-        data_dir: directory holding the distribution files (not used by digits).
+            ``"fashion-mnist"``, ``"svhn"``, ``"cifar10"`` or ``"cifar100"``
+            (from ``data_dir``).
+        data_dir: directory holding the distribution files (not used by digits;
+            ``None``: the dataset's :data:`DEFAULT_DATA_DIRS` entry).
         device: where the tensors live.
 
     Raises:
@@ -184,14 +249,7 @@ def load_dataset(
     if name == "digits":
         arrays = _digits()
     else:
-        if data_dir is None:
-            raise DataError(f"dataset {name} needs --data-dir: {_HELP[name]}")
-        root = Path(data_dir)
-        if not root.is_dir():
-            raise DataError(
-                f"data directory {root} does not exist; {name}: {_HELP[name]}"
-            )
-        arrays = _LOADERS[name](root)
+        arrays = _LOADERS[name](_data_root(name, data_dir))
     x_train, y_train, x_test, y_test, num_classes = arrays
     aug = _AUGMENT[name]
     xt = torch.from_numpy(x_train)
@@ -211,12 +269,33 @@ def load_dataset(
     )
 
 
+def _data_root(name: str, data_dir: PathLike | None) -> Path:
+    """``data_dir`` (or the default directory of ``name``), checked to exist."""
+    if data_dir is None:
+        default = DEFAULT_DATA_DIRS.get(name)
+        if default is None:
+            raise DataError(f"dataset {name} needs --data-dir: {_HELP[name]}")
+        if not default.is_dir():
+            raise DataError(
+                f"{name}: no --data-dir given and {default} does not exist; "
+                f"{_HELP[name]}"
+            )
+        return default
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise DataError(f"data directory {root} does not exist; {name}: {_HELP[name]}")
+    return root
+
+
 _AUGMENT: dict[str, Augment] = {
     # At 8×8 a one-pixel shift moves an eighth of the digit off the image; it
     # cost the digits-tiny ViT about ten points of test accuracy at the epoch
     # budget of the default runs (measured, issue 2), so digits train unaugmented.
     "digits": Augment(pad=0, flip=False),
     "mnist": Augment(pad=2, flip=False, pad_mode="zeros"),
+    # A mirrored garment or shoe is of the same class, so Fashion-MNIST takes
+    # flips as well as shifts (as its usual baselines do).
+    "fashion-mnist": Augment(pad=2, flip=True, pad_mode="zeros"),
     "svhn": Augment(pad=2, flip=False, pad_mode="reflect"),
     "cifar10": Augment(pad=4, flip=True, pad_mode="reflect"),
     "cifar100": Augment(pad=4, flip=True, pad_mode="reflect"),
@@ -229,6 +308,14 @@ _HELP: dict[str, str] = {
         "in the directory or in MNIST/raw/ below it, from "
         "https://yann.lecun.com/exdb/mnist/ (mirror: "
         "https://ossci-datasets.s3.amazonaws.com/mnist/)"
+    ),
+    "fashion-mnist": (
+        "expects train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (each optionally .gz); "
+        "get them with `apt-get install dataset-fashion-mnist` (Debian, into "
+        "/usr/share/datasets/fashion-mnist, the default --data-dir) or download "
+        "the four files from https://github.com/zalandoresearch/fashion-mnist "
+        "(data/fashion/) into a directory given as --data-dir"
     ),
     "svhn": (
         "expects train_32x32.mat and test_32x32.mat (format 2, cropped digits) "
@@ -438,54 +525,102 @@ def _svhn(root: Path) -> Arrays:
     return _finish(out[0][0], out[0][1], out[1][0], out[1][1], 10)
 
 
-def _read_idx(path: Path, dataset: str) -> np.ndarray:
-    """An idx file (MNIST's format), gzipped or not, as a uint8 array."""
+_IDX_STEMS = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+"""The four idx files of MNIST and Fashion-MNIST (same names, each maybe .gz)."""
+
+
+def _read_idx(path: Path, dataset: str, ndim: int) -> np.ndarray:
+    """An idx file (MNIST's format) of ``ndim`` dimensions, gzipped or not, as a
+    uint8 array."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as err:
+    except (OSError, EOFError, zlib.error) as err:
         raise _bad(dataset, path, f"unreadable: {err}") from err
     if len(raw) < 4:
         raise _bad(dataset, path, "too short for an idx header")
-    zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or dtype != 0x08 or ndim < 1:
-        raise _bad(dataset, path, "not an idx file of unsigned bytes")
+    magic = int.from_bytes(raw[:4], "big")
+    if magic != 0x0800 + ndim:
+        raise _bad(
+            dataset,
+            path,
+            f"magic number {magic:#010x}, expected {0x0800 + ndim:#010x} for an "
+            f"idx file of {ndim}-d unsigned bytes",
+        )
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise _bad(dataset, path, "truncated idx header")
     shape = struct.unpack(f">{ndim}I", raw[4:header])
     size = int(np.prod(shape))
     if len(raw) != header + size:
-        raise _bad(dataset, path, f"{len(raw) - header} data bytes for shape {shape}")
+        raise _bad(
+            dataset,
+            path,
+            f"{len(raw) - header} data bytes where shape {shape} needs {size} "
+            "(truncated?)",
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 
-def _mnist(root: Path) -> Arrays:
-    stems = [
-        "train-images-idx3-ubyte",
-        "train-labels-idx1-ubyte",
-        "t10k-images-idx3-ubyte",
-        "t10k-labels-idx1-ubyte",
-    ]
+def _find_idx(root: Path, dataset: str, subdirs: tuple[str, ...]) -> list[Path]:
+    """The paths of :data:`_IDX_STEMS` (plain or .gz) in ``root`` or ``subdirs``."""
     paths = []
-    for stem in stems:
-        for base in (root, root / "MNIST" / "raw", root / "mnist"):
+    for stem in _IDX_STEMS:
+        for base in (root, *(root / s for s in subdirs)):
             hits = [base / n for n in (stem, stem + ".gz") if (base / n).is_file()]
             if hits:
                 paths.append(hits[0])
                 break
         else:
-            raise DataError(f"mnist: {stem}[.gz] not found in {root}; {_HELP['mnist']}")
-    x_train, y_train, x_test, y_test = (_read_idx(p, "mnist") for p in paths)
-    for p, x, y in ((paths[0], x_train, y_train), (paths[2], x_test, y_test)):
-        if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
-            raise _bad(
-                "mnist", p, f"images {x.shape} and labels {y.shape} do not match"
+            raise DataError(
+                f"{dataset}: {stem}[.gz] not found in {root}; {_HELP[dataset]}"
             )
-    _check_labels("mnist", paths[1], y_train, 10)
-    _check_labels("mnist", paths[3], y_test, 10)
+    return paths
+
+
+def _idx_dataset(root: Path, dataset: str, subdirs: tuple[str, ...]) -> Arrays:
+    """A dataset of four idx files (:data:`_IDX_STEMS`): square grayscale images
+    ``(n, S, S)`` and their labels ``0..9``."""
+    paths = _find_idx(root, dataset, subdirs)
+    x_train, y_train, x_test, y_test = (
+        _read_idx(p, dataset, ndim) for p, ndim in zip(paths, (3, 1, 3, 1), strict=True)
+    )
+    for p, x, y in ((paths[0], x_train, y_train), (paths[2], x_test, y_test)):
+        if x.shape[0] != y.shape[0]:
+            raise _bad(
+                dataset,
+                p,
+                f"{x.shape[0]} images but {y.shape[0]} labels: images "
+                f"{x.shape} and labels {y.shape} do not match",
+            )
+        if x.shape[1] != x.shape[2]:
+            raise _bad(dataset, p, f"images of shape {x.shape[1:]} are not square")
+    _check_labels(dataset, paths[1], y_train, 10)
+    _check_labels(dataset, paths[3], y_test, 10)
     return _finish(x_train[:, None], y_train, x_test[:, None], y_test, 10)
 
 
-_LOADERS = {"mnist": _mnist, "svhn": _svhn, "cifar10": _cifar10, "cifar100": _cifar100}
+def _mnist(root: Path) -> Arrays:
+    return _idx_dataset(root, "mnist", ("MNIST/raw", "mnist"))
+
+
+def _fashion_mnist(root: Path) -> Arrays:
+    # torchvision's layout, then the dataset repository's data/fashion/.
+    return _idx_dataset(
+        root, "fashion-mnist", ("FashionMNIST/raw", "fashion-mnist", "data/fashion")
+    )
+
+
+_LOADERS = {
+    "mnist": _mnist,
+    "fashion-mnist": _fashion_mnist,
+    "svhn": _svhn,
+    "cifar10": _cifar10,
+    "cifar100": _cifar100,
+}

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lipvit.certify.eps import check_eps
+from lipvit.data import default_dirs_text
 from lipvit.errors import LipvitError
 
 # Re-exported: the commands call them as ``C.write_json`` etc.
@@ -80,7 +81,8 @@ def data_options(fn: Callable) -> Callable:
     """``--dataset`` and ``--data-dir``: override the checkpoint's dataset."""
     fn = click.option("--data-dir", default=None,
                       type=click.Path(file_okay=False, path_type=Path),
-                      help="directory of a dataset that is not embedded")(fn)
+                      help="directory of a dataset that is not embedded "
+                           f"[{default_dirs_text()}]")(fn)
     return click.option("--dataset", default=None,
                         help="dataset name (default: the checkpoint's)")(fn)
 
@@ -105,13 +107,15 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
 @dataclass(frozen=True, eq=False)
 class TestSet:
     """Test images ``x`` ``(n, C, S, S)`` in ``[0, 1]``, labels ``y`` ``(n,)``,
-    their positions ``index`` ``(n,)`` in the full test split, and the dataset name."""
+    their positions ``index`` ``(n,)`` in the full test split, the dataset name
+    and the name of every class (:attr:`lipvit.data.Dataset.class_names`)."""
 
     x: Tensor
     y: Tensor
     index: np.ndarray
     dataset: str
     num_classes: int
+    class_names: tuple[str, ...] = ()
 
 
 def subsample(total: int, n: int | None, seed: int = SUBSAMPLE_SEED) -> np.ndarray:
@@ -157,7 +161,8 @@ def load_test_set(ckpt: Any, *, n: int | None = None, dataset: str | None = None
     index = subsample(int(data.x_test.shape[0]), n)
     idx = torch.as_tensor(index, device=data.x_test.device)
     return TestSet(x=data.x_test[idx], y=data.y_test[idx], index=index,
-                   dataset=data.name, num_classes=int(data.num_classes))
+                   dataset=data.name, num_classes=int(data.num_classes),
+                   class_names=data.class_names)
 
 
 # ---------------------------------------------------------------- parsing

@@ -61,7 +61,8 @@ def features(ckpt: Path, out: Path, attack_name: str, eps_text: str, norm: str,
     out.mkdir(parents=True, exist_ok=True)
     fig = plot_tsne(shift.embedding, list(shift.labels) * 2, shift.attacked_mask,
                     a_distance=shift.a_distance.a_distance, color_by=color_by,
-                    attacked_label=label, title=f"{ckpt.name}: clean vs {label}")
+                    attacked_label=label, title=f"{ckpt.name}: clean vs {label}",
+                    class_names=data.class_names)
     save_figure(fig, out / "tsne.png", pdf, force=force)
 
     n_samples = len(shift.labels)

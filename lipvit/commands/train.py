@@ -10,28 +10,57 @@ import click
 
 from lipvit.commands import _common as C
 from lipvit.config import ATTENTIONS, PRESETS, preset
-from lipvit.data import DATASETS, load_dataset
+from lipvit.data import DATASETS, default_dirs_text, load_dataset
 from lipvit.errors import LipvitError
-from lipvit.train import FAMILY_DEFAULTS, summary_path, train, train_config_for
+from lipvit.train import (
+    DATASET_DEFAULTS,
+    FAMILY_DEFAULTS,
+    summary_path,
+    train,
+    train_config_for,
+)
 
 DEFAULT_PRESET = {
     ("digits", "standard"): "digits-tiny",
     ("digits", "lipschitz"): "digits-small",
+    ("fashion-mnist", "standard"): "fmnist-3x64",
+    ("fashion-mnist", "lipschitz"): "fmnist-3x64",
 }
 """Preset used when ``--preset`` is not given, per (dataset, family). The
 lipschitz family needs the wider, deeper digits model to pass 90 % test accuracy
-in a few CPU minutes; other datasets default to :data:`FALLBACK_PRESET`."""
+in a few CPU minutes; Fashion-MNIST's 28×28 images get the 50-token
+``fmnist-3x64``; other datasets default to :data:`FALLBACK_PRESET`."""
 FALLBACK_PRESET = "cifar-lofast-3x128"
 
 
-def _defaults_help(name: str) -> str:
-    """``1.0 (standard), 128.0 (lipschitz)``; ``off`` where a family sets none."""
-    values = {fam: d.get(name) for fam, d in FAMILY_DEFAULTS.items()}
+def _shown(value: Any) -> str:
+    """A default as the help shows it: ``off`` for None or False, ``on`` for True."""
+    if value is None or value is False:
+        return "off"
+    return "on" if value is True else str(value)
+
+
+def _defaults_help(name: str, default: Any = None) -> str:
+    """``1.0 (standard), 128.0 (lipschitz)`` (``default`` where a family sets
+    none), then the values of :data:`DATASET_DEFAULTS` that differ, e.g. ``; 20
+    (fashion-mnist)``."""
+    values = {fam: d.get(name, default) for fam, d in FAMILY_DEFAULTS.items()}
     if len(set(map(str, values.values()))) == 1:
-        value = next(iter(values.values()))
-        return "off" if value is None else str(value)
-    return ", ".join(f"{'off' if v is None else v} ({fam})"
-                     for fam, v in values.items())
+        text = _shown(next(iter(values.values())))
+    else:
+        text = ", ".join(f"{_shown(v)} ({fam})" for fam, v in values.items())
+    datasets: dict[str, dict[str, Any]] = {}
+    for (dataset, fam), schedule in DATASET_DEFAULTS.items():
+        datasets.setdefault(dataset, {})[fam] = schedule.get(name, values[fam])
+    for dataset, by_family in datasets.items():
+        if all(str(v) == str(values[fam]) for fam, v in by_family.items()):
+            continue
+        if len(set(map(str, by_family.values()))) == 1:
+            text += f"; {_shown(next(iter(by_family.values())))} ({dataset})"
+        else:
+            text += "; " + ", ".join(f"{_shown(v)} ({dataset} {fam})"
+                                     for fam, v in by_family.items())
+    return text
 
 
 @click.command("train")
@@ -42,7 +71,8 @@ def _defaults_help(name: str) -> str:
     "--data-dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Directory with the dataset's distribution files (not for digits).",
+    help="Directory with the dataset's distribution files (not for digits) "
+    f"[{default_dirs_text()}].",
 )
 @click.option(
     "--preset",
@@ -50,7 +80,8 @@ def _defaults_help(name: str) -> str:
     type=click.Choice(tuple(PRESETS)),
     default=None,
     help="Model size [default: digits-tiny (standard) or digits-small "
-    f"(lipschitz) for digits, {FALLBACK_PRESET} otherwise].",
+    "(lipschitz) for digits, fmnist-3x64 for fashion-mnist, "
+    f"{FALLBACK_PRESET} otherwise].",
 )
 @click.option(
     "--embed-dim", type=int, default=None, help="Token width D (overrides the preset)."
@@ -173,7 +204,8 @@ def _defaults_help(name: str) -> str:
 @click.option(
     "--augment/--no-augment",
     default=None,
-    help="Random crop/flip suited to the dataset [default: on].",
+    help="Random crop/flip suited to the dataset "
+    f"[default: {_defaults_help('augment', True)}].",
 )
 @click.option(
     "--msvp",
@@ -313,7 +345,7 @@ def train_command(
     lambdas = tuple(
         msvp_all if lam is None else lam for lam in (msvp_q, msvp_k, msvp_v)
     )
-    train_cfg = train_config_for(family, msvp=lambdas, **options)
+    train_cfg = train_config_for(family, dataset, msvp=lambdas, **options)
     summary = train(
         model_cfg,
         train_cfg,
