@@ -13,7 +13,6 @@ the network (:mod:`lipvit.certify.symbols`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -21,6 +20,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from lipvit.certify.attention import attention, bound_weights
+from lipvit.certify.tangents import JacobianNorms, gram_norm, norms_of_sample
 from torch import Tensor
 
 from lipvit.errors import UnsupportedModelError
@@ -214,82 +214,44 @@ def site_gradients(model: ViT, x: Tensor, y: Tensor) -> MarginGradients:
                            logits0, xr, inject, rec.act_in, rec.stream)
 
 
-def gram_norm(T: Tensor) -> Tensor:
-    """``‖J‖`` from tangents ``T = J E`` ``(..., n, M)`` (``E`` the identity): exact,
-    ``√λ_max(T Tᵀ)`` by eigvalsh, rounded up by a relative ``1e-12``."""
-    gram = T @ T.transpose(-1, -2)  # (..., n, n) = Jᵀ J
-    lam = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
-    return (lam * (1 + 1e-12) + 1e-300).sqrt()
+EXACT_GRAM_MAX = 256
+"""Largest image dimension ``n`` for which :func:`jacobian_norms` computes the
+whole-matrix norms exactly, from the ``n × n`` Gram matrices of the stored
+tangents (memory ``n × activations``, cost ``n² × activations``); above it
+they are bounded by the patch-block matrix."""
 
 
-@dataclass(frozen=True)
-class JacobianNorms:
-    """Exact norms of the clean point's Jacobians from the image, ``J_{u←x}``.
+def jacobian_norms(
+    model: ViT, x: Tensor, exact_max: int | None = None,
+    max_memory: int | None = None, lins: list | None = None,
+) -> JacobianNorms:
+    """:class:`JacobianNorms` of ``model`` at images ``x`` ``(B, C, S, S)``.
 
-    Attributes:
-        stream: whole stream states ``(B, 2K+1)``.
-        stream_token: every token of every stream state ``(B, 2K+1, N)``.
-        attn_in: the attention inputs ``(B, K)`` (blocks).
-        act_in: per block ``(B, N, m)``: ``‖∇_x z_{t,i}‖`` of each pre-activation.
-        cls: the last stream state's class token ``(B,)``.
-        logits: per block and head ``(B, K, H)``: the attention logits
-            ``S_h = p A_h pᵀ/√d`` (``p`` the attention's input).
+    The image's ``n`` basis tangents are pushed through the linearised network
+    (:class:`lipvit.certify.linearized.Linearized`, the clean pass once per
+    sample) a few at a time, patch by patch (``exact_max``: default
+    :data:`EXACT_GRAM_MAX`), and every quantity is
+    *accumulated* (:class:`lipvit.certify.tangents.NormAccumulator`): per-token
+    ``D × D`` Gram matrices, per-unit squared norms, and either the stored
+    tangents of the whole-matrix maps (``n ≤ exact_max``: their ``n × n``
+    Gram matrices, exact) or the norms of their patch blocks (bounded by the
+    block matrix's norm). Memory: ``max_memory`` bytes of tangents
+    (:func:`lipvit.certify.tangents.plan`). ``lins``: the samples'
+    :class:`~lipvit.certify.linearized.Linearized`, if built already.
     """
-
-    stream: Tensor
-    stream_token: Tensor
-    attn_in: Tensor
-    act_in: list[Tensor]
-    cls: Tensor
-    logits: Tensor
-
-
-def _logit_tangents(attn, p: Tensor, T: Tensor) -> Tensor:
-    """Tangents ``(B, n, H, N, N)`` of the logits ``S_h = (p W_q)(p W_k)ᵀ/√d`` from
-    the attention's input ``p`` ``(B, N, D)`` and its tangents ``T`` ``(B, n, N, D)``
-    (bias-free query and key maps: :func:`check_supported`)."""
-    W = attn.head_weights()
-    Q = torch.einsum("bnd,hde->bhne", p, W.W_q)  # (B, H, N, d)
-    K = torch.einsum("bnd,hde->bhne", p, W.W_k)
-    dQ = torch.einsum("bjnd,hde->bjhne", T, W.W_q)  # (B, n, H, N, d)
-    dK = torch.einsum("bjnd,hde->bjhne", T, W.W_k)
-    dS = dQ @ K[:, None].transpose(-1, -2) + Q[:, None] @ dK.transpose(-1, -2)
-    return dS / math.sqrt(W.W_q.shape[-1])
-
-
-def jacobian_norms(model: ViT, x: Tensor) -> JacobianNorms:
-    """:class:`JacobianNorms` by forward-mode AD with the image's ``n`` basis
-    tangents (``n = C·S·S``) and ``n × n`` Gram matrices (eigvalsh): exact up to
-    float rounding, rounded up."""
-    B, n = x.shape[0], x[0].numel()
-    xr = x.repeat_interleave(n, dim=0)  # (B·n, C, S, S)
-    E = torch.eye(n, dtype=x.dtype, device=x.device).repeat(B, 1).reshape(xr.shape)
-
-    def tangent(t: Tensor) -> Tensor:  # (B·n, ...) dual → (B, n, ...)
-        T = fwAD.unpack_dual(t).tangent
-        return T.reshape(B, n, *T.shape[1:])
-
-    with torch.no_grad(), fwAD.dual_level():
-        _, rec = forward(model, fwAD.make_dual(xr, E))
-        stream = [tangent(s) for s in rec.stream]  # (B, n, N, D) each
-        attn_in = [tangent(p) for p in rec.attn_in]
-        act_in = [torch.linalg.vector_norm(tangent(z), dim=1) for z in rec.act_in]
-        clean_in = [fwAD.unpack_dual(p).primal[::n] for p in rec.attn_in]  # (B, N, D)
-    logits = [
-        _logit_tangents(block.attn, p, T)
-        for block, p, T in zip(model.blocks, clean_in, attn_in, strict=True)
-    ]  # (B, n, H, N, N) each
+    exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
+    lins = lins or [None] * len(x)
+    per = [norms_of_sample(model, xb, exact_max, max_memory, lin)
+           for xb, lin in zip(x, lins, strict=True)]
+    K = len(model.blocks)
     return JacobianNorms(
-        stream=torch.stack([gram_norm(T.flatten(2)) for T in stream], dim=1),
-        stream_token=torch.stack(
-            [gram_norm(T.transpose(1, 2)) for T in stream], dim=1
-        ),
-        attn_in=torch.stack([gram_norm(T.flatten(2)) for T in attn_in], dim=1),
-        act_in=[(a * (1 + 1e-12)) for a in act_in],
-        cls=gram_norm(stream[-1][:, :, 0]),
-        logits=torch.stack(
-            [gram_norm(L.transpose(1, 2).flatten(3)) for L in logits], dim=1
-        ),
+        stream=torch.stack([p.stream for p in per]),
+        stream_token=torch.stack([p.stream_token for p in per]),
+        attn_in=torch.stack([p.attn_in for p in per]),
+        act_in=[torch.stack([p.act_in[k] for p in per]) for k in range(K)],
+        cls=torch.stack([p.cls for p in per]),
+        logits=torch.stack([p.logits for p in per]),
+        exact=all(p.exact for p in per),
     )
 
 

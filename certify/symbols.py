@@ -37,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.autograd.forward_ad as fwAD
-from lipvit.certify.sites import Record, forward_blocks
+from lipvit.certify.linearized import Linearized, push_size
+from lipvit.certify.sites import Record
 from torch import Tensor
 
 from lipvit.model import ViT
@@ -124,8 +124,8 @@ def flip_range(z: Tensor, delta: Tensor) -> Tensor:
 
 
 def propagate(
-    model: ViT, clean: Record, k: int, rho: Tensor, carried: Carried,
-    max_symbols: int = 1024, chunk: int = 512,
+    model: ViT, lins: list[Linearized], k: int, rho: Tensor, carried: Carried,
+    max_symbols: int = 1024, chunk: int | None = None,
 ) -> Tensor:
     """Add block ``k``'s symbols to ``carried``, in place; bound the rest.
 
@@ -139,13 +139,13 @@ def propagate(
 
     Args:
         model: the lipschitz-family ViT (SLL blocks), float64.
-        clean: the clean :class:`Record` of the batch.
+        lins: each sample's linearised network (:class:`Linearized`).
         k: the block whose activation's symbols these are.
         rho: ``(B, N, m)``: each unit's ``ρ_i`` (0 where it cannot flip).
         carried: updated for every site input after block ``k``'s activation.
-        max_symbols: symbols per sample and block (cost: one forward-mode pass
-            through the later blocks each).
-        chunk: symbols per forward-mode pass (memory).
+        max_symbols: symbols per sample and block (cost: one tangent through
+            the later blocks each).
+        chunk: symbols per push (default: :func:`push_size`).
 
     Returns:
         ``(B,)``: the bound ``‖τ‖₂`` on the tail's change of the stream.
@@ -162,21 +162,19 @@ def propagate(
         (tail * c_norm).sum(-1),
         spectral_norm(column) * torch.linalg.vector_norm(tail, dim=-1),
     )  # (B, N)
-    X0 = clean.stream[2 * k + 2]  # (B, N, D): block k's output
-    idx = chosen.nonzero()  # (S, 3): sample, token, unit
-    for rows in idx.split(chunk) if len(idx) else ():
-        b, t, i = rows.unbind(1)
-        T0 = torch.zeros_like(X0[b])  # (S, N, D)
-        T0[torch.arange(len(rows)), t] = column[i]
-        with torch.no_grad(), fwAD.dual_level():
-            _, rec = forward_blocks(model, fwAD.make_dual(X0[b], T0), k + 1)
-            _carry(carried, rec, b, rho[b, t, i], 2 * k + 2, k + 1)
+    for b, lin in enumerate(lins):
+        idx = chosen[b].nonzero()  # (S, 2): token, unit
+        for rows in idx.split(chunk or push_size(lin)) if len(idx) else ():
+            t, i = rows.unbind(1)
+            T0 = rho.new_zeros(len(rows), *lin.shape)  # (S, N, D)
+            T0[torch.arange(len(rows)), t] = column[i]
+            lin.push(T0, k + 1, _Carry(carried, b, rho[b, t, i]))
     return torch.linalg.vector_norm(tau, dim=-1)
 
 
 def propagate_radial(
-    model: ViT, clean: Record, k: int, site: str, s: Tensor, carried: Carried,
-    chunk: int = 512,
+    lins: list[Linearized], clean: Record, k: int, site: str, s: Tensor,
+    carried: Carried, chunk: int | None = None,
 ) -> None:
     """Add block ``k``'s LayerProject radial symbols to ``carried``, in place.
 
@@ -187,52 +185,47 @@ def propagate_radial(
     whole token matrix for a Frobenius projection, one token otherwise).
 
     Args:
-        model: the lipschitz-family ViT, float64.
+        lins: each sample's linearised network (:class:`Linearized`).
         clean: the clean :class:`Record` of the batch.
         k: the block.
         site: ``"norm1"`` or ``"norm2"``.
         s: ``(B, T)``: each vector's range (``T = 1`` Frobenius, ``N`` per token).
         carried: updated for every site input from the site's output on.
-        chunk: symbols per forward-mode pass.
+        chunk: symbols per push (default: :func:`push_size`).
     """
-    X_in = clean.stream[2 * k]  # (B, N, D): block k's input
-    X = X_in if site == "norm1" else clean.stream[2 * k + 1]  # the projected input
-    idx = (s > 0).nonzero()  # (S, 2): sample, vector
-    for rows in idx.split(chunk) if len(idx) else ():
-        b, t = rows.unbind(1)
-        if s.shape[1] == 1:  # the whole token matrix
-            T = -X[b] / torch.linalg.vector_norm(X[b], dim=(1, 2), keepdim=True)
-        else:
-            T = torch.zeros_like(X[b])  # (S, N, D)
-            x_t = X[b, t]  # (S, D)
-            T[torch.arange(len(rows)), t] = -x_t / torch.linalg.vector_norm(
-                x_t, dim=-1, keepdim=True)
-        with torch.no_grad(), fwAD.dual_level():
-            inject = {(k, site): fwAD.make_dual(torch.zeros_like(T), T)}
-            _, rec = forward_blocks(model, X_in[b], k, inject)
-            _carry(carried, rec, b, s[b, t], 2 * k, k)
+    X = clean.stream[2 * k] if site == "norm1" else clean.stream[2 * k + 1]
+    for b, lin in enumerate(lins):
+        vec = (s[b] > 0).nonzero()[:, 0]  # the vectors with a symbol
+        for t in vec.split(chunk or push_size(lin)) if len(vec) else ():
+            if s.shape[1] == 1:  # the whole token matrix
+                x_hat = X[b] / torch.linalg.vector_norm(X[b])  # (N, D)
+                U = -x_hat[None].expand(len(t), -1, -1)
+            else:
+                U = X.new_zeros(len(t), *lin.shape)  # (S, N, D)
+                x_t = X[b, t]  # (S, D)
+                U[torch.arange(len(t)), t] = -x_t / torch.linalg.vector_norm(
+                    x_t, dim=-1, keepdim=True)
+            lin.push(torch.zeros_like(U), k, _Carry(carried, b, s[b, t]),
+                     inject=(site, U))
 
 
-def _carry(carried: Carried, rec: Record, b: Tensor, r: Tensor, first_stream: int,
-           first_block: int) -> None:
-    """Add symbols ``r_i ∈ [0, ρ_i]`` (``r`` holds the ``ρ_i``, ``(S,)``, of samples
-    ``b``) to ``carried`` from a dual :class:`Record` of their columns' forward
-    pass, which starts at stream state ``first_stream`` and block
-    ``first_block``; values before the injection carry no tangent."""
-    h = r / 2  # (S,): ρ_i/2
+class _Carry:
+    """A push's visitor adding symbols ``r_j ∈ [0, ρ_j]`` of sample ``b`` (``rho``
+    ``(S,)``, one per tangent) to ``carried``: the centre ``Σ_j G_j ρ_j/2``, the
+    spread ``Σ_j |G_j| ρ_j/2`` and, at pre-activations, ``Σ_j G⁺_j ρ_j`` and
+    ``Σ_j G⁻_j ρ_j``."""
 
-    def tangents(values: list[Tensor], start: int):
-        for m, v in enumerate(values, start=start):
-            T = fwAD.unpack_dual(v).tangent
-            if T is not None:
-                yield m, T
+    def __init__(self, carried: Carried, b: int, rho: Tensor):
+        self.carried, self.b, self.rho, self.h = carried, b, rho, rho / 2
 
-    for m, S in tangents(rec.stream, first_stream):
-        carried.centre[m].index_add_(0, b, S * h[:, None, None])
-        carried.spread[m].index_add_(0, b, S.abs() * h[:, None, None])
-    for kk, P in tangents(rec.attn_in, first_block):
-        carried.attn_centre[kk].index_add_(0, b, P * h[:, None, None])
-        carried.attn_spread[kk].index_add_(0, b, P.abs() * h[:, None, None])
-    for kk, Z in tangents(rec.act_in, first_block):
-        carried.up[kk].index_add_(0, b, Z.clamp_min(0) * r[:, None, None])
-        carried.down[kk].index_add_(0, b, (-Z).clamp_min(0) * r[:, None, None])
+    def __call__(self, kind: str, i: int, T: Tensor) -> None:
+        c, b = self.carried, self.b
+        if kind == "stream":
+            c.centre[i][b] += torch.einsum("s,snd->nd", self.h, T)
+            c.spread[i][b] += torch.einsum("s,snd->nd", self.h, T.abs())
+        elif kind == "attn_in":
+            c.attn_centre[i][b] += torch.einsum("s,snd->nd", self.h, T)
+            c.attn_spread[i][b] += torch.einsum("s,snd->nd", self.h, T.abs())
+        elif kind == "act_in":
+            c.up[i][b] += torch.einsum("s,snm->nm", self.rho, T.clamp_min(0))
+            c.down[i][b] += torch.einsum("s,snm->nm", self.rho, (-T).clamp_min(0))

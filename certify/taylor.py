@@ -60,6 +60,7 @@ from typing import NamedTuple
 import torch
 from lipvit.certify.certification import bisect_radius, certified_radius
 from lipvit.certify.eps import eps_per_sample
+from lipvit.certify.linearized import Linearized
 from lipvit.certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_local_lipschitz,
@@ -312,7 +313,7 @@ def _tighter(bound: Tensor, exact: SubBlockNorms | None, name: str, k: int) -> T
 
 def _lipschitz_block(
     model: ViT, k: int, clean: Record, terms, jn: JacobianNorms,
-    exact: SubBlockNorms | None, max_symbols: int
+    exact: SubBlockNorms | None, max_symbols: int, lins: list[Linearized],
 ) -> BlockFn:
     """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7);
     the ReLU units that can flip become symbols (:mod:`lipvit.certify.symbols`)."""
@@ -338,7 +339,7 @@ def _lipschitz_block(
         if dirs is not None:  # r = −τx̂ + cΓ_⊥ (§3)
             turn = layer_project_directional(n1, P1.radius, caps1, dirs.radial[:, None])
             split1 = _smaller_rest(split1, turn, caps1)
-        propagate_radial(model, clean, k, "norm1", split1.s, sym)
+        propagate_radial(lins, clean, k, "norm1", split1.s, sym)
         r1 = split1.rest
         r1_norm = r1.norm(b.all)
         # The attention's input moves by J_{p←x}Γ + (symbols) + J_P₁(acc) + r_P₁.
@@ -350,7 +351,7 @@ def _lipschitz_block(
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
                                r1_whole, b_p)
         split2 = layer_project_split(n_mid, P2.radius, mid.token)
-        propagate_radial(model, clean, k, "norm2", split2.s, sym)
+        propagate_radial(lins, clean, k, "norm2", split2.s, sym)
         r2 = split2.rest
         r2_t = r2.at(mid.token)  # (B, N)
         # Each unit's move up (down): ≤ ‖∇z_ti‖ε + Σ G⁺ρ (Σ G⁻ρ)
@@ -364,7 +365,7 @@ def _lipschitz_block(
         up = torch.minimum(first + sym.up[k], cap)
         down = torch.minimum(first + sym.down[k], cap)
         rho = flip_range(z, torch.where(z > 0, down, up))  # r_i ∈ [0, ρ_i] (§5)
-        tail = propagate(model, clean, k, rho, sym, max_symbols)
+        tail = propagate(model, lins, k, rho, sym, max_symbols)
         # P₂'s remainder passes the linearised SLL (norm ≤ 1); the ReLU's are
         # symbols, but for the tail (bounded in norm).
         acc_out = mid.acc + torch.linalg.vector_norm(r2_t, dim=-1) + tail
@@ -584,13 +585,17 @@ class TaylorBound:
 
 
 def taylor_bound(
-    model: ViT, x: Tensor, y: Tensor, max_symbols: int = 1024
+    model: ViT, x: Tensor, y: Tensor, max_symbols: int = 1024,
+    max_memory: int | None = None,
 ) -> TaylorBound:
     """The taylor certificate of ``model`` at images ``x`` ``(B, C, S, S)``, labels y.
 
     Works on a float64 copy of the model when it is not float64 already.
     ``max_symbols``: ReLU symbols per sample and block of a lipschitz model
     (:func:`lipvit.certify.symbols.propagate`; more is tighter and slower).
+    ``max_memory``: bytes of tangents held at once by the Jacobian norms
+    (:func:`lipvit.certify.tangents.plan`; default
+    :func:`~lipvit.certify.tangents.default_max_memory`).
 
     Raises:
         UnsupportedModelError: a layer the method cannot bound (one-line reason).
@@ -605,7 +610,8 @@ def taylor_bound(
     with torch.no_grad():
         grads = site_gradients(model, x, y)
         g_x, g_sites, clean, logits = grads.x, grads.sites, grads.clean, grads.logits
-        jn = jacobian_norms(model, x)
+        lins = [Linearized(model, xb) for xb in x]  # the clean point, per sample
+        jn = jacobian_norms(model, x, max_memory=max_memory, lins=lins)
         exact = subblock_norms(model, clean)
         B, K = logits.shape
         wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
@@ -614,7 +620,7 @@ def taylor_bound(
         margins = torch.where(wrong, margins, torch.full_like(margins, math.inf))
         grad_norm = torch.linalg.vector_norm(g_x.flatten(2), dim=-1)  # (B, K)
         make = (
-            partial(_lipschitz_block, max_symbols=max_symbols)
+            partial(_lipschitz_block, max_symbols=max_symbols, lins=lins)
             if model.config.family == "lipschitz"
             else _standard_block
         )

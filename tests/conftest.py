@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lipvit.config import ViTConfig
 from lipvit.data import Dataset, load_dataset
+from lipvit.model import ViT
 
 torch.set_num_threads(1)
 
@@ -101,6 +102,17 @@ def tiny_config(family: str = "standard", **overrides) -> ViTConfig:
         family=family,
     )
     return ViTConfig(**{**base, **overrides})
+
+
+def nonlinear_model(family: str, seed: int, **overrides) -> ViT:
+    """A float64 :func:`tiny_config` model with weights 3× their initial size
+    (visibly nonlinear: what the certificates' remainder tests need)."""
+    torch.manual_seed(seed)
+    model = ViT(tiny_config(family, **overrides)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ from lipvit.cli import main
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import layer_project
 from lipvit.model import ViT
-from tests.conftest import tiny_config
+from tests.conftest import nonlinear_model, tiny_config
 
 F64 = torch.float64
 SEEDS = range(2)
@@ -332,13 +332,7 @@ def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale
 # --------------------------------------------------------------------------
 
 
-def _model(family, seed, **kw):
-    torch.manual_seed(seed)
-    model = ViT(tiny_config(family, **kw)).double().eval()
-    with torch.no_grad():  # larger weights than at init: a visibly nonlinear model
-        for p in model.parameters():
-            p.mul_(3.0)
-    return model
+_model = nonlinear_model
 
 
 @pytest.mark.parametrize("family", ["lipschitz", "standard"])
@@ -365,8 +359,9 @@ def test_forward_is_the_model(family, seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed, monkeypatch):
     kw = dict(kw)
-    if not kw.pop("exact", True):  # the product bounds alone (large models)
+    if not kw.pop("exact", True):  # large models: product and patch-block bounds
         monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
     model = _model(family, seed, **kw)
     x = torch.rand(3, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -563,15 +558,16 @@ def test_subblock_norms_are_exact(family):
 
 
 @pytest.mark.parametrize("family, exact", [("standard", True), ("standard", False),
-                                           ("lipschitz", True)])
+                                           ("lipschitz", True), ("lipschitz", False)])
 @pytest.mark.parametrize("seed", range(2))
 def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
     """Every stream state's whole and per-token budgets (``acc_token``, the exact
     sub-block norms, the attention's row bounds, the Lipschitz recursion) exceed
     what PGD finds; a lipschitz block's 1-Lipschitz ``SLL∘P₂`` never lets a
     budget grow."""
-    if not exact:
+    if not exact:  # large models: product and patch-block bounds
         monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
     model = _model(family, seed)
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

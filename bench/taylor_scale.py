@@ -1,0 +1,174 @@
+"""`taylor` and `lofast` at scale (issue 20): seconds, peak memory and work per sample.
+
+For each preset (random weights, seeded; ``digits-small``, ``fmnist-3x64``,
+``cifar-lofast-3x128``, ``cifar-lofast-6x384``) and family, in a fresh
+subprocess each (so that its peak resident memory is its own):
+
+* ``lofast``: ``network_bound(model, x, "lofast").delta_out(0.01)``;
+* ``taylor``: ``taylor_bound(model, x, y)`` then ``.margin_drop(0.01)``.
+
+It prints CPU seconds per sample (process time; CUDA: synchronised wall time),
+peak memory (the process's resident set on a CPU; ``max_memory_allocated`` on
+CUDA), and the floating-point work of one ``taylor`` certificate counted by
+``torch.utils.flop_counter`` (matrix products, the bulk of the work) as a
+multiple of one forward pass of the same model: the floor for the exact
+image Jacobian norms is about ``n`` forward passes (``n`` the image's
+dimension, one tangent each). ``--batch 1 8`` compares per-sample cost across
+batch sizes. ``--ckpt`` adds a trained model: median ``taylor`` / ``lofast``
+certified radius over ``--n`` test points.
+
+Usage::
+
+    python bench/taylor_scale.py --threads 1
+    python bench/taylor_scale.py --threads 1 --presets cifar-lofast-3x128 --batch 1 8
+    python bench/taylor_scale.py --threads 1 --ckpt fmnist_lip.pt --n 20
+    python bench/taylor_scale.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from datetime import date
+
+import torch
+from lipvit.certify.network import network_bound
+from lipvit.certify.taylor import taylor_bound
+from torch.utils.flop_counter import FlopCounterMode
+
+from lipvit import ViT, preset
+
+PRESETS = ("digits-small", "fmnist-3x64", "cifar-lofast-3x128", "cifar-lofast-6x384")
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return time.process_time()
+
+
+def _peak(device: torch.device) -> float:
+    """Peak memory so far, GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def one(name: str, family: str, method: str, batch: int, device: str,
+        flops: bool) -> dict:
+    """Measure one (preset, family, method, batch) in this process."""
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    cfg = preset(name, family=family, num_classes=10)
+    model = ViT(cfg).double().eval().to(dev)
+    x = torch.rand(batch, cfg.in_chans, cfg.image_size, cfg.image_size,
+                   dtype=torch.float64, device=dev)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+
+    def run() -> None:
+        if method == "lofast":
+            network_bound(model, x, "lofast").delta_out(0.01)
+        else:
+            taylor_bound(model, x, y).margin_drop(0.01)
+
+    t0 = _clock(dev)
+    run()
+    seconds = (_clock(dev) - t0) / batch
+    out = {"preset": name, "family": family, "method": method, "batch": batch,
+           "s_per_sample": seconds, "peak_gib": _peak(dev),
+           "n": x[0].numel(), "tokens": cfg.num_patches + 1, "width": cfg.embed_dim}
+    if flops:
+        with FlopCounterMode(display=False) as fwd:
+            with torch.no_grad():
+                model(x[:1])
+        with FlopCounterMode(display=False) as cert:
+            x1, y1 = x[:1], y[:1]
+            taylor_bound(model, x1, y1).margin_drop(0.01)
+        out["forward_gflop"] = fwd.get_total_flops() / 1e9
+        out["taylor_gflop"] = cert.get_total_flops() / 1e9
+    return out
+
+
+def radius_ratio(path: str, n: int) -> str:
+    """Median taylor / lofast certified radius on a checkpoint's test points."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _points import float64_points
+    from lipvit.certify.certification import certified_radius, margin
+
+    model, x, y, _ = float64_points(path, n)
+    t0 = time.process_time()
+    tb = taylor_bound(model, x, y)
+    r_taylor = tb.radius(rtol=1e-3)
+    t_taylor = (time.process_time() - t0) / len(x)
+    nb = network_bound(model, x, "lofast")
+    r_lofast = certified_radius(margin(nb.logits, y), nb.delta_out, rtol=1e-3)
+    ok = (r_lofast > 0) & (r_taylor > 0)
+    ratio = (r_taylor[ok] / r_lofast[ok]).median().item() if ok.any() else float("nan")
+    return (f"{path}: {len(x)} points, {int(ok.sum())} with both radii > 0; median "
+            f"radius taylor {r_taylor.median():.4g}, lofast {r_lofast.median():.4g}; "
+            f"median per-point ratio {ratio:.3g}; taylor with radius search "
+            f"{t_taylor:.2f} s CPU per sample")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS))
+    parser.add_argument("--families", nargs="+", default=["lipschitz", "standard"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-flops", action="store_true")
+    parser.add_argument("--ckpt", nargs="*", default=[])
+    parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--one", nargs=4, metavar=("PRESET", "FAMILY", "METHOD",
+                                                   "BATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.one:
+        name, family, method, batch = args.one
+        print(json.dumps(one(name, family, method, int(batch), args.device,
+                             method == "taylor" and not args.no_flops)))
+        return
+    cpu = platform.processor() or platform.machine()
+    print(f"# taylor_scale, {date.today()}, {cpu}, {args.device}, "
+          f"{args.threads} thread(s), torch {torch.__version__}")
+    print("| preset | family | n | N × D | batch | lofast s/sample | lofast peak GiB "
+          "| taylor s/sample | taylor peak GiB | taylor work (forward passes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.presets:
+        for family in args.families:
+            for batch in args.batch:
+                rows = {}
+                for method in ("lofast", "taylor"):
+                    cmd = [sys.executable, __file__, "--one", name, family, method,
+                           str(batch), "--device", args.device, "--threads",
+                           str(args.threads)] + (["--no-flops"] if args.no_flops
+                                                 or batch > 1 else [])
+                    done = subprocess.run(cmd, capture_output=True, text=True)
+                    if done.returncode:
+                        print(f"| {name} | {family} | failed: "
+                              f"{done.stderr.strip().splitlines()[-1]} |")
+                        break
+                    rows[method] = json.loads(done.stdout.strip().splitlines()[-1])
+                else:
+                    lo, ta = rows["lofast"], rows["taylor"]
+                    work = (f"{ta['taylor_gflop'] / ta['forward_gflop']:.0f}"
+                            f" ({ta['taylor_gflop']:.0f} GFLOP)"
+                            if "taylor_gflop" in ta else "–")
+                    print(f"| {name} | {family} | {ta['n']} | {ta['tokens']} × "
+                          f"{ta['width']} | {batch} | {lo['s_per_sample']:.3g} | "
+                          f"{lo['peak_gib']:.2f} | {ta['s_per_sample']:.3g} | "
+                          f"{ta['peak_gib']:.2f} | {work} |", flush=True)
+    for path in args.ckpt:
+        print(radius_ratio(path, args.n))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The network linearised at one clean point: tangents pushed in batches.
+
+``taylor``'s exact quantities are all of one kind: the clean point's Jacobian
+applied to many tangents (the image's ``n`` basis vectors for
+:func:`lipvit.certify.sites.jacobian_norms`, one column per ReLU symbol for
+:mod:`lipvit.certify.symbols`). Forward-mode AD through the model recomputes
+the clean forward pass for every tangent and routes the attention through
+small batched products; :class:`Linearized` computes the clean pass **once**
+per sample, keeps what the Jacobian needs (the token norms of each
+projection, the LayerNorm statistics, each head's ``Q``, ``K``, ``V`` and
+softmax ``P``, each activation's derivative) and applies the Jacobian to a
+batch of ``c`` tangents ``(c, N, D)`` with large matrix products.
+
+The maps are the derivatives of exactly what :func:`lipvit.certify.sites.forward`
+computes (tested against forward-mode AD to float rounding):
+
+* LayerProject ``p(x) = x R/max(‖x‖, R)``: ``J T = T`` inside the ball and
+  ``(R/‖x‖)(T − x̂ x̂ᵀT)`` where ``‖x‖ ≥ R`` (autograd's side at ``‖x‖ = R``);
+* LayerNorm with ``c = Πx``, ``σ = √(‖c‖²/D + η)``:
+  ``J T = γ ⊙ (ΠT/σ − c (cᵀΠT)/(Dσ³))``;
+* attention ``Σ_h P_h V_h W_o[h]`` with ``S_h = Q_h K_hᵀ/√d``:
+  ``dS_h = (dQ_h K_hᵀ + Q_h dK_hᵀ)/√d``, ``dP_h = P_h ⊙ (dS_h − rowsum(P_h ⊙
+  dS_h))``, ``d out = Σ_h (dP_h V_h + P_h dV_h) W_o[h]``;
+* the activation: ``relu′(z) = [z > 0]`` (autograd's ``relu′(0) = 0``) or
+  ``GELU′(z) = Φ(z) + z φ(z)``; the SLL's ``dX = dq − 2 (du/T) W``.
+
+A push visits every site input in order, as it is computed, through a
+callback, so a caller keeps only what it accumulates (Gram blocks, row norms)
+and memory stays at one stream state of ``c`` tangents.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lipvit.layers import LayerProject
+from lipvit.model import ViT
+
+Visit = Callable[[str, int, Tensor], None]
+"""``(kind, index, tangents)``: ``kind`` is ``"stream"`` (index ``m``, ``(c, N, D)``),
+``"attn_in"``, ``"logits"`` (``(c, H, N, N)``) or ``"act_in"`` (``(c, N, m)``),
+each indexed by block."""
+
+
+def _project_tangent(x: Tensor, radius: float, mode: str) -> Callable[[Tensor], Tensor]:
+    """Jacobian of :func:`lipvit.layers.layer_project` at ``x`` ``(N, D)``."""
+    dims = (-1,) if mode == "token" else (-2, -1)
+    norm = torch.linalg.vector_norm(x, dim=dims, keepdim=True)  # (N, 1) or (1, 1)
+    outside = norm >= radius  # autograd's clamp_min passes the gradient at equality
+    x_hat = x / norm
+    scale = torch.where(outside, radius / norm, torch.ones_like(norm))
+
+    def apply(T: Tensor) -> Tensor:  # (c, N, D)
+        radial = (T * x_hat).sum(dim=dims, keepdim=True)
+        return scale * (T - torch.where(outside, radial, 0.0) * x_hat)
+
+    return apply
+
+
+def _layernorm_tangent(ln, x: Tensor) -> Callable[[Tensor], Tensor]:
+    """Jacobian of ``nn.LayerNorm`` ``ln`` at ``x`` ``(N, D)`` (module docstring)."""
+    D = x.shape[-1]
+    c = x - x.mean(-1, keepdim=True)  # (N, D)
+    sigma = ((c * c).mean(-1, keepdim=True) + ln.eps).sqrt()  # (N, 1)
+    gamma = ln.weight if ln.weight is not None else torch.ones_like(c[0])
+
+    def apply(T: Tensor) -> Tensor:
+        dc = T - T.mean(-1, keepdim=True)
+        radial = (c * dc).sum(-1, keepdim=True) / (D * sigma**3)
+        return gamma * (dc / sigma - c * radial)
+
+    return apply
+
+
+def _norm_tangent(norm, x: Tensor) -> Callable[[Tensor], Tensor]:
+    if isinstance(norm, LayerProject):
+        return _project_tangent(x, norm.radius, norm.mode)
+    return _layernorm_tangent(norm, x)
+
+
+@dataclass
+class _Block:
+    """What block ``k``'s Jacobian needs at the clean point."""
+
+    norm1: Callable[[Tensor], Tensor]
+    norm2: Callable[[Tensor], Tensor]
+    W_qkv: Tensor  # (D, 3·H·d): the q, k, v maps side by side, heads inside
+    W_o: Tensor  # (H·d, D)
+    Q_t: Tensor  # (H, d, N): Qᵀ/√d
+    K_t: Tensor  # (H, d, N): Kᵀ/√d
+    V: Tensor  # (H, N, d), without b_v: dP's rows sum to 0, so dP 1b_vᵀ = 0
+    P: Tensor  # (H, N, N)
+    PV: Tensor  # (H, N, d)
+    W1: Tensor  # (m, D)
+    slope: Tensor  # (N, m): the activation's derivative at z
+    out: Tensor  # lipschitz: (m, D) = 2 W/T; standard: fc2's (D, m) transposed
+
+
+class Linearized:
+    """The Jacobian of :func:`lipvit.certify.sites.forward` at one image.
+
+    Args:
+        model: a lipvit ViT (:func:`lipvit.certify.sites.check_supported`).
+        x: one image ``(C, S, S)``, the model's dtype.
+    """
+
+    def __init__(self, model: ViT, x: Tensor):
+        from lipvit.certify.sites import forward  # sites imports this module
+
+        self.model = model
+        self.lipschitz = model.config.family == "lipschitz"
+        with torch.no_grad():
+            _, rec = forward(model, x[None])
+            self.blocks = [self._block(k, rec) for k in range(len(model.blocks))]
+        self.shape = rec.stream[0].shape[1:]  # (N, D)
+
+    def _block(self, k: int, rec) -> _Block:
+        block = self.model.blocks[k]
+        X, X_mid, p, z = (rec.stream[2 * k][0], rec.stream[2 * k + 1][0],
+                          rec.attn_in[k][0], rec.act_in[k][0])
+        W_q, W_k, W_v, W_o = block.attn.head_weights()  # (H, D, d) ×3, (H, d, D)
+        H, D, d = W_q.shape
+        Q = torch.einsum("nD,hDd->hnd", p, W_q)
+        K = torch.einsum("nD,hDd->hnd", p, W_k)
+        V = torch.einsum("nD,hDd->hnd", p, W_v)
+        P = torch.softmax(Q @ K.transpose(-1, -2) / math.sqrt(d), dim=-1)
+        W_qkv = torch.cat([W.permute(1, 0, 2).reshape(D, H * d)
+                           for W in (W_q, W_k, W_v)], dim=1)  # (D, 3Hd)
+        W1 = block.mlp.fc1.weight
+        if self.lipschitz:
+            slope = (z > 0).to(z.dtype)
+            out = 2.0 * W1 / block.mlp.T()[:, None]  # (m, D)
+        else:
+            slope = _gelu_slope(z)
+            out = block.mlp.fc2.weight.T  # (m, D)
+        scale = 1 / math.sqrt(d)
+        return _Block(_norm_tangent(block.norm1, X), _norm_tangent(block.norm2, X_mid),
+                      W_qkv, W_o.reshape(H * d, D), (Q * scale).transpose(-1, -2),
+                      (K * scale).transpose(-1, -2), V, P, P @ V, W1, slope, out)
+
+    @torch.no_grad()
+    def embed(self, T: Tensor) -> Tensor:
+        """Image tangents ``(c, C, S, S)`` → block 0's input tangents ``(c, N, D)``."""
+        pe = self.model.patch_embed
+        patches = pe.patches(T / self.model.std)  # (c, N−1, C·p·p)
+        tokens = patches @ pe.proj.weight.T  # (c, N−1, D)
+        return F.pad(tokens, (0, 0, 1, 0))  # the class token does not move
+
+    @torch.no_grad()
+    def push(
+        self, T: Tensor, first: int, visit: Visit, logits: bool = False,
+        inject: tuple[str, Tensor] | None = None,
+    ) -> None:
+        """Apply the Jacobian to tangents ``T`` ``(c, N, D)`` of stream state
+        ``s_{2·first}`` (block ``first``'s input) through blocks ``first, …``;
+        ``visit`` receives every site input's tangents in order (the first
+        stream state included). ``logits``: also visit each block's
+        attention-logit tangents ``dS_h``. ``inject = (site, U)``: add ``U`` at
+        block ``first``'s ``"norm1"`` or ``"norm2"`` output."""
+        visit("stream", 2 * first, T)
+        for k in range(first, len(self.blocks)):
+            b = self.blocks[k]
+            add = inject[1] if inject is not None and k == first else None
+            site = inject[0] if add is not None else None
+            p = b.norm1(T)
+            if site == "norm1":
+                p = p + add
+            visit("attn_in", k, p)
+            T = T + self._attention(b, p, k, visit, logits)
+            visit("stream", 2 * k + 1, T)
+            q = b.norm2(T)
+            if site == "norm2":
+                q = q + add
+            z = q @ b.W1.T  # (c, N, m)
+            visit("act_in", k, z)
+            u = z * b.slope
+            T = q - u @ b.out if self.lipschitz else T + u @ b.out
+            visit("stream", 2 * k + 2, T)
+
+    def _attention(self, b: _Block, p: Tensor, k: int, visit: Visit,
+                   logits: bool) -> Tensor:
+        """``d out = Σ_h (dP_h V_h + P_h dV_h) W_o[h]`` with
+        ``dP_h V_h = (P_h ⊙ dS_h) V_h − r_h ⊙ (P_h V_h)``, ``r_h = rowsum(P_h ⊙ dS_h)``;
+        every product is one batched matrix product per head over all tangents."""
+        c, N, D = p.shape
+        H, d, _ = b.Q_t.shape
+        qkv = (p.reshape(c * N, D) @ b.W_qkv).reshape(c, N, 3, H, d)
+        dQ, dK = (qkv[:, :, i].permute(2, 0, 1, 3).reshape(H, c * N, d) for i in (0, 1))
+        dS = (dQ @ b.K_t).reshape(H, c, N, N)  # dQ Kᵀ/√d
+        dS = dS + (dK @ b.Q_t).reshape(H, c, N, N).transpose(-1, -2)  # + Q dKᵀ/√d
+        if logits:
+            visit("logits", k, dS.transpose(0, 1))  # (c, H, N, N)
+        G = b.P[:, None] * dS  # (H, c, N, N): P ⊙ dS
+        r = G.sum(-1, keepdim=True)
+        out = (G.reshape(H, c * N, N) @ b.V).reshape(H, c, N, d) - r * b.PV[:, None]
+        dV = qkv[:, :, 2].permute(2, 1, 0, 3).reshape(H, N, c * d)  # (H, N, c·d)
+        out = out + (b.P @ dV).reshape(H, N, c, d).transpose(1, 2)  # + P dV
+        return out.permute(1, 2, 0, 3).reshape(c, N, H * d) @ b.W_o
+
+
+def _gelu_slope(z: Tensor) -> Tensor:
+    """``GELU′(z) = Φ(z) + z φ(z)`` (the exact, erf-based GELU)."""
+    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+    pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    return cdf + z * pdf
+
+
+CACHE_BYTES = 4 * 2**20
+"""Size of the largest per-push tensor (the ``(c, H, N, N)`` logit tangents)
+that keeps a push in the processor's cache: pushes of that many tangents ran
+2–3× faster than pushes of hundreds at 3×128 (one thread)."""
+
+
+def push_size(lin: Linearized) -> int:
+    """Tangents per push that keep its ``(c, H, N, N)`` tensors within
+    :data:`CACHE_BYTES`."""
+    H, N = lin.blocks[0].P.shape[:2] if lin.blocks else (1, lin.shape[0])
+    return max(1, CACHE_BYTES // (8 * H * N * N))

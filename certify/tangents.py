@@ -1,0 +1,298 @@
+"""Streamed, memory-bounded norms of the Jacobians from the image (docs/taylor.md §11).
+
+:func:`lipvit.certify.sites.jacobian_norms` needs, per sample, the norm of
+the clean point's Jacobian ``J_{u←x}`` from the image (``n`` dimensions) to
+every stream state, attention input and pre-activation, whole, per token and
+per unit. Stacking the ``n`` tangents of every site input costs
+``n × activations`` memory (17 GB for one CIFAR image at 3×128); here the
+tangents are pushed through :class:`lipvit.certify.linearized.Linearized` a
+few at a time and reduced as they come:
+
+* per token ``t``: ``J_t J_tᵀ = Σ_i (J e_i)_t (J e_i)_tᵀ`` (``D × D``), exact;
+* per unit: ``‖∇_x z_i‖² = Σ_i (J e_i)_z²``, exact;
+* whole matrices, small images (``n ≤ exact_max``): the tangents are kept and
+  the norm is that of their ``n × n`` Gram matrix, exact;
+* whole matrices, large images: **block bound**. Order the image's
+  coordinates patch by patch (``g``) and the output by token (``t``); ``J`` is
+  the block matrix ``[J_{t,g}]`` and, for ``x = (x_g)``,
+  ``‖Jx‖² = Σ_t ‖Σ_g J_{t,g} x_g‖² ≤ Σ_t (Σ_g ‖J_{t,g}‖ ‖x_g‖)² = ‖Q ξ‖²``
+  with ``Q_{t,g} = ‖J_{t,g}‖`` and ``ξ_g = ‖x_g‖``, ``‖ξ‖ = ‖x‖``; hence
+  ``‖J‖ ≤ ‖Q‖``, with equality when ``J`` is block diagonal (the patch
+  embedding) or its blocks share singular vectors. Each block norm is exact
+  (a ``C p² × C p²`` Gram matrix), ``‖Q‖`` is an ``N × (N−1)`` problem, and the
+  bound is also capped by ``(Σ_t ‖J_t‖²)^{1/2}``. The attention-logit norms
+  are left to LoFAST's bound there (``+inf``).
+
+Memory: the tangents held at once (``max_memory`` bytes, :func:`plan`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from lipvit.certify.linearized import CACHE_BYTES, Linearized
+from torch import Tensor
+
+from lipvit.errors import LipvitError
+from lipvit.model import ViT
+
+DEFAULT_MAX_MEMORY = 2**30
+"""Default bytes of tangents held at once (1 GiB, or an eighth of the
+machine's memory when that is less)."""
+
+REFINE = 0.05
+"""Patch blocks whose Frobenius norm is at least this fraction of the largest
+get their exact spectral norm; the others keep the Frobenius norm (an upper
+bound), which changes ``‖Q‖`` little and saves most of the eigenvalue work."""
+
+
+class MemoryBudgetError(LipvitError):
+    """The memory budget cannot hold even the smallest chunk of work."""
+
+
+def default_max_memory() -> int:
+    """:data:`DEFAULT_MAX_MEMORY`, or an eighth of the physical memory if smaller."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return DEFAULT_MAX_MEMORY
+    return min(DEFAULT_MAX_MEMORY, total // 8)
+
+
+def parse_memory(text: str) -> int:
+    """``"512M"``, ``"2G"``, ``"2GiB"`` or a byte count → bytes; a one-line
+    error otherwise."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (s[:-1], s[-1]) if s and s[-1] in units else (s, "")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise LipvitError(f"--max-memory: cannot read {text!r} (e.g. 512M, 2G)"
+                          ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise LipvitError(f"--max-memory must be a positive size, got {text!r}")
+    return int(value)
+
+
+def gram_norm(T: Tensor) -> Tensor:
+    """``‖J‖`` from tangents ``T = J E`` ``(..., n, M)`` (``E`` the identity): exact,
+    ``√λ_max`` of the smaller Gram matrix (``T Tᵀ`` or ``Tᵀ T``, the same
+    ``λ_max``) by eigvalsh, rounded up by a relative ``1e-12``."""
+    if T.shape[-2] <= T.shape[-1]:
+        return top_root(T @ T.transpose(-1, -2))
+    return top_root(T.transpose(-1, -2) @ T)
+
+
+def top_root(gram: Tensor) -> Tensor:
+    """``√λ_max`` of symmetric PSD matrices ``(..., k, k)``, rounded up."""
+    lam = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
+    return (lam * (1 + 1e-12) + 1e-300).sqrt()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How :func:`norms_of_sample` walks the image's basis: ``exact`` keeps every
+    tangent of the whole-matrix maps; otherwise ``flush`` tangents (whole
+    patches) are held and reduced at a time; ``push`` at a time go through the
+    network."""
+
+    exact: bool
+    flush: int
+    push: int
+
+
+def _sizes(model: ViT) -> tuple[int, int, int, int, int, int]:
+    cfg = model.config
+    N, D = cfg.num_patches + 1, cfg.embed_dim
+    group = cfg.in_chans * cfg.patch_size**2  # coordinates per patch
+    return N, D, cfg.num_heads, cfg.mlp_hidden, len(model.blocks), group
+
+
+def plan(model: ViT, exact_max: int, max_memory: int | None) -> Plan:
+    """Choose the chunks for ``max_memory`` bytes (default
+    :func:`default_max_memory`); refuse a budget below one patch of tangents
+    (:func:`min_memory`).
+
+    Raises:
+        MemoryBudgetError: one line, before any work.
+    """
+    budget = default_max_memory() if max_memory is None else max_memory
+    fixed, held, work, logit = _bytes(model)
+    need = min_memory(model)
+    if need > budget:
+        raise MemoryBudgetError(
+            f"--max-memory {budget / 2**20:.1f} MiB is too small for this model: "
+            f"one patch of tangents needs {need / 2**20:.1f} MiB"
+        )
+    N, _, H, _, _, group = _sizes(model)
+    n = model.config.in_chans * model.config.image_size**2
+    push = max(1, min(CACHE_BYTES // (8 * H * N * N), n,
+                      (budget - fixed - group * held) // work))
+    if n <= exact_max and fixed + n * (held + logit) + push * work <= budget:
+        return Plan(True, n, push)
+    groups = min((budget - fixed - push * work) // (group * held), max(1, 256 // group))
+    return Plan(False, int(groups) * group, int(push))
+
+
+def min_memory(model: ViT) -> int:
+    """Bytes below which :func:`plan` refuses: the per-token Gram matrices, one
+    patch of held tangents and one tangent's push."""
+    fixed, held, work, _ = _bytes(model)
+    return fixed + _sizes(model)[-1] * held + work
+
+
+def _bytes(model: ViT) -> tuple[int, int, int, int]:
+    """Float64 bytes: the per-token Gram matrices of every stream state; one
+    tangent held at every site input; one tangent's push temporaries; one
+    tangent's attention logits (kept in the exact mode)."""
+    N, D, H, m, K, _ = _sizes(model)
+    fixed = 8 * (2 * K + 1) * N * D * D
+    held = 8 * ((3 * K + 1) * N * D + K * N * m)
+    work = 8 * (6 * H * N * N + 8 * N * max(D, m))
+    return fixed, held, work, 8 * K * H * N * N
+
+
+def patch_order(model: ViT) -> Tensor:
+    """The image's coordinate indices ``(n,)`` ordered patch by patch, in the
+    patch embedding's own order (each patch's ``C p²`` coordinates together)."""
+    cfg = model.config
+    S = cfg.image_size
+    idx = torch.arange(cfg.in_chans * S * S, dtype=torch.float64)
+    patches = model.patch_embed.patches(idx.reshape(1, cfg.in_chans, S, S))
+    return patches.reshape(-1).round().long()
+
+
+@dataclass(frozen=True)
+class JacobianNorms:
+    """Norms of the clean point's Jacobians from the image, ``J_{u←x}``.
+
+    Per token and per unit they are **exact** (float rounding aside, rounded
+    up); whole-matrix norms are exact when the image has at most
+    :data:`lipvit.certify.sites.EXACT_GRAM_MAX` dimensions (``exact`` true) and
+    otherwise **upper bounds** from the patch-block matrix (module docstring).
+    :func:`norms_of_sample` returns one sample's, without the batch axis.
+
+    Attributes:
+        stream: whole stream states ``(B, 2K+1)``.
+        stream_token: every token of every stream state ``(B, 2K+1, N)``.
+        attn_in: the attention inputs ``(B, K)`` (blocks).
+        act_in: per block ``(B, N, m)``: ``‖∇_x z_{t,i}‖`` of each pre-activation.
+        cls: the last stream state's class token ``(B,)``.
+        logits: per block and head ``(B, K, H)``: the attention logits
+            ``S_h = p A_h pᵀ/√d`` (``p`` the attention's input); ``+inf`` where
+            not ``exact`` (the certificate then uses LoFAST's logit bound).
+        exact: whether the whole-matrix norms are exact.
+    """
+
+    stream: Tensor
+    stream_token: Tensor
+    attn_in: Tensor
+    act_in: list[Tensor]
+    cls: Tensor
+    logits: Tensor
+    exact: bool = True
+
+
+@dataclass
+class _Reduce:
+    """Running reductions of one sample's tangents (module docstring)."""
+
+    exact: bool
+    group: int
+    token_gram: dict[int, Tensor] = field(default_factory=dict)  # m → (N, D, D)
+    unit_sq: dict[int, Tensor] = field(default_factory=dict)  # k → (N, m)
+    kept: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
+    blocks: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
+
+    def add(self, kind: str, i: int, T: Tensor) -> None:
+        """Reduce ``T`` ``(F, …)``, the tangents of ``F`` basis vectors (whole
+        patches) at site input ``(kind, i)``."""
+        if kind == "act_in":
+            sq = (T * T).sum(0)
+            self.unit_sq[i] = self.unit_sq[i] + sq if i in self.unit_sq else sq
+            return
+        if kind == "stream":
+            Tt = T.transpose(0, 1)  # (N, F, D)
+            gram = Tt.transpose(-1, -2) @ Tt  # (N, D, D): Σ_i (J e_i)_t (J e_i)_tᵀ
+            self.token_gram[i] = self.token_gram[i] + gram if i in self.token_gram \
+                else gram
+        if self.exact:
+            self.kept.setdefault((kind, i), []).append(T)
+        elif kind != "logits":
+            self.blocks.setdefault((kind, i), []).append(self._block_norms(T))
+
+    def _block_norms(self, T: Tensor) -> Tensor:
+        """Upper bounds on ``‖J_{t,g}‖`` ``(N, G_F)`` of the ``G_F`` patches in ``T``
+        ``(F, N, D)``: the Frobenius norm, and the exact norm (eigvalsh) for the
+        blocks within :data:`REFINE` of the largest (``‖Q‖`` is monotone in
+        its entries, so any upper bound per block keeps it an upper bound)."""
+        F, N, D = T.shape
+        Tg = T.reshape(F // self.group, self.group, N, D).transpose(1, 2)
+        Q = torch.linalg.vector_norm(Tg, dim=(-2, -1)) * (1 + 1e-12)  # (G_F, N)
+        big = Q >= REFINE * Q.amax()
+        blocks = Tg[big]  # (b, group, D)
+        gram = blocks @ blocks.transpose(-1, -2) if self.group <= D else \
+            blocks.transpose(-1, -2) @ blocks
+        Q[big] = torch.minimum(Q[big], top_root(gram))
+        return Q.T
+
+    def whole(self, kind: str, i: int) -> Tensor:
+        """``‖J‖`` of the whole map at ``(kind, i)``: exact or the block bound."""
+        if self.exact:
+            T = torch.cat(self.kept[(kind, i)])  # (n, …)
+            if kind == "logits":  # (n, H, N, N) → per head
+                return gram_norm(T.flatten(2).transpose(0, 1))  # (H,)
+            return gram_norm(T.flatten(1))
+        Q = torch.cat(self.blocks[(kind, i)], dim=1)  # (N, G)
+        small = Q @ Q.T if Q.shape[0] <= Q.shape[1] else Q.T @ Q
+        return top_root(small)
+
+
+def norms_of_sample(
+    model: ViT, x: Tensor, exact_max: int, max_memory: int | None,
+    lin: Linearized | None = None,
+) -> JacobianNorms:
+    """:class:`JacobianNorms` of one image ``x`` ``(C, S, S)`` (module docstring);
+    ``lin``: its :class:`Linearized`, if built already."""
+    how = plan(model, exact_max, max_memory)
+    lin = lin or Linearized(model, x)
+    order = patch_order(model)
+    n, K = order.numel(), len(model.blocks)
+    _, _, H, _, _, group = _sizes(model)
+    red = _Reduce(how.exact, group)
+    eye = torch.zeros(how.flush, n, dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        for start in range(0, n, how.flush):
+            rows = order[start:start + how.flush]
+            E = eye[: len(rows)].zero_()
+            E[torch.arange(len(rows)), rows] = 1.0
+            parts: dict[tuple[str, int], list[Tensor]] = {}
+
+            def keep(kind: str, i: int, T: Tensor, parts=parts) -> None:
+                parts.setdefault((kind, i), []).append(T)
+
+            for E_c in E.split(how.push):
+                lin.push(lin.embed(E_c.reshape(-1, *x.shape)), 0, keep,
+                         logits=how.exact)
+            for (kind, i), Ts in parts.items():
+                red.add(kind, i, torch.cat(Ts))
+    token = torch.stack([top_root(red.token_gram[m]) for m in range(2 * K + 1)])
+    frob = torch.linalg.vector_norm(token, dim=-1)  # (Σ_t ‖J_t‖²)^{1/2} ≥ ‖J‖
+    stream = torch.stack([red.whole("stream", m) for m in range(2 * K + 1)])
+    logits = (torch.stack([red.whole("logits", k) for k in range(K)]) if how.exact
+              else torch.full((K, H), math.inf, dtype=x.dtype, device=x.device))
+    return JacobianNorms(
+        stream=torch.minimum(stream, frob),
+        stream_token=token,
+        attn_in=torch.stack([red.whole("attn_in", k) for k in range(K)]),
+        act_in=[red.unit_sq[k].sqrt() * (1 + 1e-12) for k in range(K)],
+        cls=token[-1, 0],
+        logits=logits,
+        exact=how.exact,
+    )
+
+

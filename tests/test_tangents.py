@@ -1,0 +1,206 @@
+"""The linearised network and the streamed Jacobian norms (certify/linearized.py,
+certify/tangents.py, docs/taylor.md §11) against forward-mode AD and dense
+Jacobians, in float64, over seeds and both families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from lipvit.certify import tangents
+from lipvit.certify.linearized import Linearized
+from lipvit.certify.sites import forward, forward_blocks, jacobian_norms
+from lipvit.certify.tangents import (
+    MemoryBudgetError,
+    Plan,
+    min_memory,
+    parse_memory,
+    plan,
+)
+
+from lipvit.errors import LipvitError
+from lipvit.model import ViT
+from tests.conftest import nonlinear_model
+
+F64 = torch.float64
+FAMILIES = ["lipschitz", "standard"]
+
+
+_model = nonlinear_model
+
+
+def _images(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 8, 8, dtype=F64, generator=g)
+
+
+def _collect(lin: Linearized, T: torch.Tensor, first: int, **kw) -> dict:
+    got: dict = {}
+
+    def visit(kind, i, U):
+        got[(kind, i)] = U.clone()
+
+    lin.push(T, first, visit, **kw)
+    return got
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kw", [{}, {"attn_project": "token"}, {"depth": 3}])
+def test_push_is_forward_mode_ad(family, seed, kw):
+    """Every site input's tangent, from the image, equals forward-mode AD
+    through :func:`forward` (the attention logits too)."""
+    if family == "standard" and "attn_project" in kw:
+        kw = {"num_heads": 1}
+    model = _model(family, seed, **kw)
+    x = _images(1, seed)[0]
+    E = torch.randn(5, *x.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
+    lin = Linearized(model, x)
+    got = _collect(lin, lin.embed(E), 0, logits=True)
+    with torch.no_grad(), fwAD.dual_level():
+        _, rec = forward(model, fwAD.make_dual(x[None].repeat(5, 1, 1, 1), E))
+        want = {("stream", m): fwAD.unpack_dual(s).tangent
+                for m, s in enumerate(rec.stream)}
+        want |= {("attn_in", k): fwAD.unpack_dual(p).tangent
+                 for k, p in enumerate(rec.attn_in)}
+        want |= {("act_in", k): fwAD.unpack_dual(z).tangent
+                 for k, z in enumerate(rec.act_in)}
+        for k, block in enumerate(model.blocks):
+            W = block.attn.head_weights()
+            p = rec.attn_in[k]
+            S = torch.einsum("bnd,hde,hme,bkm->bhnk", p, W.W_q, W.W_k, p)
+            want[("logits", k)] = fwAD.unpack_dual(S).tangent / W.W_q.shape[-1] ** 0.5
+    assert set(got) == set(want)
+    for key, T in want.items():
+        assert torch.allclose(got[key], T, rtol=1e-10, atol=1e-13), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("site", ["norm1", "norm2"])
+def test_push_from_a_later_block_with_an_injection(family, site):
+    """Tangents entering at block 1's input plus a tangent added at a norm's
+    output: the same as forward-mode AD of the model with that injection."""
+    model = _model(family, 4, depth=3)
+    x = _images(1, 4)
+    with torch.no_grad():
+        clean = forward(model, x)[1]
+    g = torch.Generator().manual_seed(5)
+    T = torch.randn(3, *clean.stream[2].shape[1:], dtype=F64, generator=g)
+    U = torch.randn_like(T)
+    lin = Linearized(model, x[0])
+    got = _collect(lin, T, 1, inject=(site, U))
+    for j in range(3):
+        def run(a, j=j):
+            X = clean.stream[2] + a * T[j]
+            rec = forward_blocks(model, X, 1, {(1, site): a * U[j][None]})[1]
+            return tuple(rec.stream), tuple(rec.act_in)
+
+        _, (streams, acts) = torch.func.jvp(run, (torch.zeros((), dtype=F64),),
+                                            (torch.ones((), dtype=F64),))
+        for m, s in enumerate(streams, start=2):
+            assert torch.allclose(got[("stream", m)][j], s[0], rtol=1e-10, atol=1e-13)
+        for k, z in enumerate(acts, start=1):
+            assert torch.allclose(got[("act_in", k)][j], z[0], rtol=1e-10, atol=1e-13)
+
+
+def _dense(model: ViT, x: torch.Tensor) -> dict:
+    """Dense Jacobians ``(out, n)`` of one image's site inputs (brute force)."""
+    def sites(v):
+        rec = forward(model, v[None])[1]
+        return [s[0] for s in rec.stream], [p[0] for p in rec.attn_in], \
+            [z[0] for z in rec.act_in]
+
+    streams, attn_in, act_in = torch.func.jacfwd(sites)(x)
+    n = x.numel()
+    return {"stream": [J.reshape(*J.shape[:2], n) for J in streams],
+            "attn_in": [J.reshape(-1, n) for J in attn_in],
+            "act_in": [J.reshape(*J.shape[:2], n) for J in act_in]}
+
+
+def _spectral(J: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.matrix_norm(J, ord=2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_norms_against_dense_jacobians(family, seed):
+    """Exact mode equals the dense Jacobians' norms; the patch-block bound of
+    the large-image mode is never below them and equals them at the embedding
+    (block diagonal); per-token and per-unit norms are exact in both modes."""
+    model = _model(family, seed, depth=3)
+    x = _images(2, seed)
+    exact = jacobian_norms(model, x)
+    block = jacobian_norms(model, x, exact_max=0)
+    assert exact.exact and not block.exact
+    assert torch.all(block.logits.isinf())
+    for b in range(2):
+        J = _dense(model, x[b])
+        for m, Js in enumerate(J["stream"]):  # (N, D, n)
+            whole = _spectral(Js.reshape(-1, Js.shape[-1]))
+            token = _spectral(Js)  # (N,)
+            assert torch.allclose(exact.stream[b, m], whole, rtol=1e-10)
+            assert block.stream[b, m] >= whole * (1 - 1e-12)
+            for jn in (exact, block):
+                assert torch.allclose(jn.stream_token[b, m], token, rtol=1e-10)
+        assert torch.allclose(block.stream[b, 0], exact.stream[b, 0], rtol=1e-10)
+        for k, Jp in enumerate(J["attn_in"]):
+            whole = _spectral(Jp)
+            assert torch.allclose(exact.attn_in[b, k], whole, rtol=1e-10)
+            assert block.attn_in[b, k] >= whole * (1 - 1e-12)
+        for k, Jz in enumerate(J["act_in"]):  # (N, m, n)
+            for jn in (exact, block):
+                assert torch.allclose(jn.act_in[k][b], Jz.norm(dim=-1), rtol=1e-10)
+
+
+@pytest.mark.parametrize("refine", [0.0, 1.0, 2.0])
+def test_block_bound_holds_for_any_refinement(refine, monkeypatch):
+    """Exact block norms everywhere (0), only for the largest (1) or none (2:
+    Frobenius norms only): the whole-matrix bound stays above the dense norm,
+    and refining more never loosens it."""
+    monkeypatch.setattr(tangents, "REFINE", refine)
+    model = _model("standard", 7, depth=2)
+    x = _images(1, 7)
+    jn = jacobian_norms(model, x, exact_max=0)
+    J = _dense(model, x[0])
+    for m, Js in enumerate(J["stream"]):
+        assert jn.stream[0, m] >= _spectral(Js.reshape(-1, Js.shape[-1])) * (1 - 1e-12)
+    monkeypatch.setattr(tangents, "REFINE", 0.0)
+    tight = jacobian_norms(model, x, exact_max=0)
+    assert torch.all(tight.stream <= jn.stream * (1 + 1e-12))
+
+
+def test_chunking_does_not_change_the_norms(monkeypatch):
+    """Budgets that hold one patch or every patch of tangents at a time give
+    the same norms (to rounding; every block refined, since which blocks are
+    refined depends on the blocks held together)."""
+    monkeypatch.setattr(tangents, "REFINE", 0.0)
+    model = _model("lipschitz", 2)
+    x = _images(2, 2)
+    one_patch = min_memory(model)
+    a = jacobian_norms(model, x, exact_max=0, max_memory=one_patch)
+    b = jacobian_norms(model, x, exact_max=0)
+    assert plan(model, 0, one_patch) == Plan(False, 4, 1)  # 2×2-pixel patches
+    assert plan(model, 0, None).flush > 4
+    for f in ("stream", "stream_token", "attn_in", "cls"):
+        assert torch.allclose(getattr(a, f), getattr(b, f), rtol=1e-12)
+
+
+def test_a_budget_below_one_patch_is_refused_in_one_line():
+    model = _model("standard", 0)
+    with pytest.raises(MemoryBudgetError) as err:
+        plan(model, 0, min_memory(model) - 1)
+    assert "\n" not in str(err.value) and "--max-memory" in str(err.value)
+    assert isinstance(err.value, LipvitError)
+
+
+@pytest.mark.parametrize("text, value", [("512M", 512 * 2**20), ("2G", 2 * 2**30),
+                                         ("1.5GiB", 3 * 2**29), ("4096", 4096),
+                                         ("64kb", 64 * 2**10)])
+def test_parse_memory(text, value):
+    assert parse_memory(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1G", "0", "nanM", "infG"])
+def test_parse_memory_refuses_nonsense(text):
+    with pytest.raises(LipvitError):
+        parse_memory(text)
