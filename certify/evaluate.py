@@ -29,6 +29,7 @@ from lipvit.certify.certification import (
 from lipvit.certify.eps import check_eps_list
 from lipvit.certify.network import METHODS as BOUND_METHODS
 from lipvit.certify.network import network_bound
+from lipvit.certify.tangents import taylor_batch
 from lipvit.certify.taylor import taylor_bound
 from torch import Tensor
 
@@ -135,6 +136,32 @@ def _batches(n: int, batch_size: int):
         yield slice(start, min(start + batch_size, n))
 
 
+def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, add, certified,
+            radii) -> None:
+    """``taylor`` on one batch, a memory-sized part at a time
+    (:func:`lipvit.certify.tangents.taylor_batch`); appends one entry per ε
+    (and radius) for the whole batch, as the other methods do."""
+    oks: dict[float, list[Tensor]] = {eps: [] for eps in eps_list}
+    rs = []
+    for part in _batches(len(x), taylor_batch(model, max_memory)):
+        t0 = time.perf_counter()
+        tb = taylor_bound(model, x[part], y[part], max_memory=max_memory)
+        add("taylor", time.perf_counter() - t0)
+        decided = []
+        for eps in eps_list:
+            t0 = time.perf_counter()
+            ok = tb.certified(eps)
+            add(f"taylor@{eps}", time.perf_counter() - t0)
+            oks[eps].append(ok)
+            decided.append((eps, ok))
+        if radius:
+            rs.append(tb.radius(rtol=radius_tol, certified_at=decided))
+    for eps in eps_list:
+        certified.setdefault(f"taylor@{eps}", []).append(torch.cat(oks[eps]))
+    if radius:
+        radii.setdefault("taylor", []).append(torch.cat(rs))
+
+
 def certify_samples(
     model: ViT,
     x: Tensor,
@@ -146,6 +173,7 @@ def certify_samples(
     radius_tol: float = 1e-3,
     batch_size: int = 64,
     progress=None,
+    max_memory: int | None = None,
 ) -> CertifyReport:
     """Certify images ``x`` ``(n, C, S, S)`` in [0, 1] with labels ``y`` ``(n,)``.
 
@@ -161,6 +189,9 @@ def certify_samples(
         progress: optional callable ``(n_done) -> None``, called as the work
             goes: after each method of a batch with that method's share of the
             batch (fractions of samples), and after every CROWN sample.
+        max_memory: bytes ``taylor`` may hold (its tangents, and its samples
+            at a time: :func:`lipvit.certify.tangents.taylor_batch`); default
+            :func:`lipvit.certify.tangents.default_max_memory`.
 
     Returns:
         A :class:`CertifyReport`; ``seconds_per_sample`` of a (method, ε) row is
@@ -214,19 +245,8 @@ def certify_samples(
         logits_all.append(logits)
         margins_all.append(m)
         if use_taylor:
-            t0 = time.perf_counter()
-            tb = taylor_bound(model, xb, yb)
-            add("taylor", time.perf_counter() - t0)
-            decided = []
-            for eps in eps_list:
-                t0 = time.perf_counter()
-                ok = tb.certified(eps)
-                add(f"taylor@{eps}", time.perf_counter() - t0)
-                certified.setdefault(f"taylor@{eps}", []).append(ok)
-                decided.append((eps, ok))
-            if radius:
-                radii.setdefault("taylor", []).append(
-                    tb.radius(rtol=radius_tol, certified_at=decided))
+            _taylor(model, xb, yb, eps_list, radius, radius_tol, max_memory, add,
+                    certified, radii)
             advance(sl.stop - sl.start)
         for method in bound_methods:
             t0 = time.perf_counter()

@@ -145,6 +145,20 @@ def min_memory(model: ViT) -> int:
     return fixed + _sizes(model)[-1] * held + work
 
 
+def taylor_batch(model: ViT, max_memory: int | None) -> int:
+    """Samples per :func:`lipvit.certify.taylor.taylor_bound` call within
+    ``max_memory`` bytes: each sample keeps one autograd graph of the forward
+    pass per class (the margins' gradients, back-substituted at every ε) and
+    its symbols' accumulators, beside :func:`min_memory` for its tangents."""
+    cfg = model.config
+    N, D, H, m, K, _ = _sizes(model)
+    graph = 8 * K * N * (8 * D + 4 * m + 3 * H * N)  # one forward pass, kept
+    carried = 8 * (2 * (2 * K + 1) * N * D + 2 * K * N * D + 2 * K * N * m)
+    per_sample = cfg.num_classes * graph + carried
+    budget = default_max_memory() if max_memory is None else max_memory
+    return max(1, (budget - min_memory(model)) // per_sample)
+
+
 def _bytes(model: ViT) -> tuple[int, int, int, int]:
     """Float64 bytes: the per-token Gram matrices of every stream state; one
     tangent held at every site input; one tangent's push temporaries; one

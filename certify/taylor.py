@@ -185,7 +185,9 @@ def _logit_radius(
     (docs/taylor.md §7): the attention input moves by ``J_{p←x}Γ`` plus at most
     ``rest``, and ``M_h[J_{p←x}Γ]/√d = J_{S_h←x}Γ`` is exact."""
     quad = terms.m_norm * rest[:, None] + terms.qk_norm * b_p[:, None] ** 2
-    return jn.logits[:, k] * e[:, None] + quad / math.sqrt(terms.head_dim)
+    J_S = jn.logits[:, k]  # (B, H); +inf where not computed (large images)
+    first = torch.where(J_S.isinf(), math.inf, J_S * e[:, None])  # inf·0 is no bound
+    return first + quad / math.sqrt(terms.head_dim)
 
 
 def _budget(

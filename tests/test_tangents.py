@@ -204,3 +204,20 @@ def test_parse_memory(text, value):
 def test_parse_memory_refuses_nonsense(text):
     with pytest.raises(LipvitError):
         parse_memory(text)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_large_image_mode_is_finite_at_zero(family, monkeypatch):
+    """Without the exact logit norms (``+inf``), ε = 0 still gives a zero drop
+    (``inf · 0`` is not taken as a bound) and positive ε a finite one."""
+    from lipvit.certify.taylor import taylor_bound
+
+    monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+    model = _model(family, 3)
+    x = _images(2, 3)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    tb = taylor_bound(model, x, y)
+    assert torch.all(tb.margin_drop(0.0) == 0)
+    assert torch.all(tb.margin_drop(1e-2).isfinite())
+    assert torch.all(tb.radius() >= 0)

@@ -591,3 +591,27 @@ def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
             for mid, out in zip(budgets[1::2], budgets[2::2], strict=True):
                 assert torch.all(out.all <= mid.all)
                 assert torch.all(out.token <= mid.token)
+
+
+def test_cli_max_memory(ckpt, tmp_path):
+    """``--max-memory``: a budget below one patch of tangents is refused in one
+    line before any work (nothing written); a small one that still fits runs a
+    sample at a time with the patch-block norms (bounds of the exact ones:
+    radii no larger than the default's, up to the bisection's tolerance)."""
+    def run(*extra):
+        return CliRunner().invoke(main, ["certify", "--ckpt", str(ckpt), "--eps",
+                                         "0.05", "--method", "taylor", "--n", "4",
+                                         *extra])
+
+    js = tmp_path / "out.json"
+    refused = run("--max-memory", "1K", "--json", str(js))
+    assert refused.exit_code != 0
+    assert "--max-memory" in refused.output and "Traceback" not in refused.output
+    assert len(refused.output.strip().splitlines()) == 1 and not js.exists()
+    assert run("--max-memory", "lots").exit_code != 0
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert run("--max-memory", "6M", "--radius", "--json", str(a)).exit_code == 0
+    assert run("--radius", "--json", str(b)).exit_code == 0
+    small, default = ([s["radii"]["taylor"] for s in json.loads(f.read_text())
+                       ["samples"]] for f in (a, b))
+    assert all(r <= d * (1 + 2e-3) for r, d in zip(small, default, strict=True))

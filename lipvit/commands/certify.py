@@ -18,6 +18,8 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
+from lipvit.certify.sites import EXACT_GRAM_MAX, check_supported
+from lipvit.certify.tangents import parse_memory, plan
 from lipvit.commands import _common as C
 from lipvit.distributed import (
     barrier,
@@ -106,6 +108,13 @@ def _radius_lines(report: CertifyReport, radius: bool, index) -> list[str]:
     show_default=True,
     help="samples per batch",
 )
+@click.option(
+    "--max-memory",
+    "max_memory_text",
+    default=None,
+    help="memory taylor may hold for its tangents and samples, e.g. 512M, 4G "
+         "[default: 1G, or an eighth of the machine's memory if less]",
+)
 @C.device_option
 @C.data_options
 @C.json_option
@@ -119,6 +128,7 @@ def certify(
     radius_tol: float,
     n: int | None,
     batch_size: int,
+    max_memory_text: str | None,
     device: str,
     dataset: str | None,
     data_dir: Path | None,
@@ -155,17 +165,21 @@ def certify(
     )
     if ranks.rank == 0:
         C.warn_large_eps(eps_list, data.x.shape[1:])
+    max_memory = None if max_memory_text is None else parse_memory(max_memory_text)
+    if {"taylor", "cascade-taylor"} & set(methods):
+        check_supported(model)
+        plan(model, EXACT_GRAM_MAX, max_memory)  # refuses a too small budget now
     shard = shard_slice(len(data.y), batch_size, ranks)
     output = json_path or csv_path
     shard_file = shard_path(output, ranks) if ranks.world > 1 and output else None
     settings = shard_settings(ckpt, data, shard, methods, eps_list, radius_tol,
-                              batch_size, dev)
+                              batch_size, dev) | {"max_memory": max_memory}
     with process_group(ranks):
         record = load_shard(shard_file, settings) if shard_file else None
         if record is None:
             record = _certify_shard(model, data.x[shard], data.y[shard], methods,
                                     eps_list, radius_tol, batch_size, loaded.config,
-                                    show=ranks.rank == 0)
+                                    show=ranks.rank == 0, max_memory=max_memory)
             if shard_file:
                 save_shard(shard_file, settings, record)
         records = gather_to_root(record, ranks)
@@ -192,7 +206,7 @@ def shard_settings(ckpt: Path, data: C.TestSet, shard: slice, methods: list[str]
 
 
 def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, config,
-                   show: bool) -> dict:
+                   show: bool, max_memory: int | None = None) -> dict:
     """:func:`certify_samples` on one shard (all radii), as a plain record."""
     if len(y) == 0:
         return {"n": 0}
@@ -214,6 +228,7 @@ def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, confi
             batch_size=batch_size,
             # shares of a sample add up to the total only up to float rounding
             progress=lambda done: bar.update(min(done, bar.total - bar.n)),
+            max_memory=max_memory,
         )
     return report_record(report)
 
