@@ -13,6 +13,7 @@ the network (:mod:`lipvit.certify.symbols`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -263,13 +264,15 @@ EXACT_MAX = 1024
 """Largest token-matrix size ``N·D`` for which :func:`subblock_norms` forms a
 whole attention sub-block's ``(N·D) × (N·D)`` Jacobian (its cost grows as
 ``(N·D)²`` per sample: about 0.25 s per sample at ``N·D = 544`` on one CPU
-core, 2.4 s at 1088); above it the certificate uses the product bounds alone."""
+core, 2.4 s at 1088); above it the certificate uses the product bounds for
+these two maps."""
 
 
 @dataclass(frozen=True)
 class SubBlockNorms:
     """Exact spectral norms of the clean point's sub-block Jacobians, rounded up
-    (docs/taylor.md §8): each is a valid ``λ`` of the budget recursion.
+    (docs/taylor.md §8): each is a valid ``λ`` of the budget recursion
+    (``+inf`` where not computed: :func:`subblock_norms`).
 
     Attributes:
         attn: ``(B, K)``: ``‖D(s ↦ s + attn(norm1(s)))‖`` at ``s_{2k}``.
@@ -314,19 +317,23 @@ def _token_tangents(fn, X: Tensor) -> Tensor:
 
 def subblock_norms(
     model: ViT, clean: Record, max_size: int | None = None
-) -> SubBlockNorms | None:
-    """:class:`SubBlockNorms` at the clean point, by forward-mode AD; ``None``
-    when ``N·D > max_size`` (default :data:`EXACT_MAX`: the attention
-    sub-block's Jacobian would be too large to form)."""
+) -> SubBlockNorms:
+    """:class:`SubBlockNorms` at the clean point, by forward-mode AD. The
+    token-wise maps' norms (``mlp``, ``unit``, ``ffn``: ``D`` tangents per
+    token) are computed at every size; the whole attention maps' (``attn``,
+    ``bare``) only when ``N·D ≤ max_size`` (default :data:`EXACT_MAX`: their
+    ``(N·D) × (N·D)`` Jacobians are formed) and are ``+inf`` otherwise (the
+    certificate then keeps its product bounds)."""
     X0 = clean.stream[0]
-    if X0[0].numel() > (EXACT_MAX if max_size is None else max_size):
-        return None
+    whole = X0[0].numel() <= (EXACT_MAX if max_size is None else max_size)
+    inf = torch.full(X0.shape[:1], math.inf, dtype=X0.dtype, device=X0.device)
     attn, bare, mlp, unit, ffn = [], [], [], [], []
     for k, block in enumerate(model.blocks):
         X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
         attn.append(_dense_norm(
-            lambda s, b=block: s + _attention(b.attn, b.norm1(s)), X))
-        bare.append(_dense_norm(partial(_attention, block.attn), clean.attn_in[k]))
+            lambda s, b=block: s + _attention(b.attn, b.norm1(s)), X) if whole else inf)
+        bare.append(_dense_norm(partial(_attention, block.attn), clean.attn_in[k])
+                    if whole else inf)
         if model.config.family == "lipschitz":
             ff = lambda s, b=block: b.mlp(b.norm2(s))  # noqa: E731
         else:

@@ -554,7 +554,11 @@ def test_subblock_norms_are_exact(family):
                 q = blk.norm2(X_mid[b, t][None])[0]
                 ffn = norm(lambda v, blk=blk: blk.mlp(v[None])[0], q)
                 assert torch.allclose(sub.ffn[k][b, t], ffn, rtol=1e-9)
-    assert subblock_norms(model, clean, max_size=10) is None
+    large = subblock_norms(model, clean, max_size=10)  # token-wise maps only
+    assert torch.all(large.attn.isinf()) and torch.all(large.bare.isinf())
+    for f in ("mlp", "unit", "ffn"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(large, f),
+                                                      getattr(sub, f), strict=True))
 
 
 @pytest.mark.parametrize("family, exact", [("standard", True), ("standard", False),
