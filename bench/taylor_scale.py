@@ -15,13 +15,16 @@ multiple of one forward pass of the same model: the floor for the exact
 image Jacobian norms is about ``n`` forward passes (``n`` the image's
 dimension, one tangent each). ``--batch 1 8`` compares per-sample cost across
 batch sizes. ``--ckpt`` adds a trained model: median ``taylor`` / ``lofast``
-certified radius over ``--n`` test points.
+certified radius over ``--n`` test points. ``--tightness``: the patch-block
+bounds of the whole image-Jacobian norms (docs/taylor.md §11) over the exact
+norms, for the presets whose exact norms are affordable and ``--ckpt``.
 
 Usage::
 
     python bench/taylor_scale.py --threads 1
     python bench/taylor_scale.py --threads 1 --presets cifar-lofast-3x128 --batch 1 8
     python bench/taylor_scale.py --threads 1 --ckpt fmnist_lip.pt --n 20
+    python bench/taylor_scale.py --tightness --presets digits-small fmnist-3x64
     python bench/taylor_scale.py --device cuda
 """
 
@@ -96,6 +99,20 @@ def one(name: str, family: str, method: str, batch: int, device: str,
     return out
 
 
+def tightness(model, x, label: str) -> str:
+    """The patch-block bounds of the whole-matrix image Jacobian norms over the
+    exact ones (``n × n`` Gram matrices), ranges over samples and states."""
+    from lipvit.certify.sites import jacobian_norms
+
+    n = x[0].numel()
+    exact = jacobian_norms(model, x, exact_max=n, max_memory=64 * 2**30)
+    block = jacobian_norms(model, x, exact_max=0)
+    s, a = block.stream / exact.stream, block.attn_in / exact.attn_in
+    return (f"| {label} | {len(x)} | {s.min():.3f}–{s.max():.3f} "
+            f"(median {s.median():.3f}) | {a.min():.3f}–{a.max():.3f} "
+            f"(median {a.median():.3f}) |")
+
+
 def radius_ratio(path: str, n: int) -> str:
     """Median taylor / lofast certified radius on a checkpoint's test points."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -127,6 +144,9 @@ def main() -> None:
     parser.add_argument("--no-flops", action="store_true")
     parser.add_argument("--ckpt", nargs="*", default=[])
     parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--tightness", action="store_true",
+                        help="block bound / exact norm, presets with n ≤ 1024 "
+                             "(random weights) and --ckpt")
     parser.add_argument("--one", nargs=4, metavar=("PRESET", "FAMILY", "METHOD",
                                                    "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -166,6 +186,25 @@ def main() -> None:
                           f"{ta['width']} | {batch} | {lo['s_per_sample']:.3g} | "
                           f"{lo['peak_gib']:.2f} | {ta['s_per_sample']:.3g} | "
                           f"{ta['peak_gib']:.2f} | {work} |", flush=True)
+    if args.tightness:
+        print("| model | samples | stream: block / exact | attention input: "
+              "block / exact |\n|---|---|---|---|")
+        for name in args.presets:
+            for family in args.families:
+                torch.manual_seed(0)
+                cfg = preset(name, family=family, num_classes=10)
+                if cfg.in_chans * cfg.image_size**2 > 1024:
+                    continue
+                model = ViT(cfg).double().eval()
+                x = torch.rand(4, cfg.in_chans, cfg.image_size, cfg.image_size,
+                               dtype=torch.float64)
+                print(tightness(model, x, f"{name} {family} (random)"), flush=True)
+        for path in args.ckpt:
+            sys.path.insert(0, __file__.rsplit("/", 1)[0])
+            from _points import float64_points
+
+            model, x, _, _ = float64_points(path, min(args.n, 8))
+            print(tightness(model, x, path), flush=True)
     for path in args.ckpt:
         print(radius_ratio(path, args.n))
 

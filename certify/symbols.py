@@ -167,7 +167,7 @@ def propagate(
         for rows in idx.split(chunk or push_size(lin)) if len(idx) else ():
             t, i = rows.unbind(1)
             T0 = rho.new_zeros(len(rows), *lin.shape)  # (S, N, D)
-            T0[torch.arange(len(rows)), t] = column[i]
+            T0[torch.arange(len(rows), device=T0.device), t] = column[i]
             lin.push(T0, k + 1, _Carry(carried, b, rho[b, t, i]))
     return torch.linalg.vector_norm(tau, dim=-1)
 
@@ -203,8 +203,8 @@ def propagate_radial(
             else:
                 U = X.new_zeros(len(t), *lin.shape)  # (S, N, D)
                 x_t = X[b, t]  # (S, D)
-                U[torch.arange(len(t)), t] = -x_t / torch.linalg.vector_norm(
-                    x_t, dim=-1, keepdim=True)
+                rows = torch.arange(len(t), device=U.device)
+                U[rows, t] = -x_t / torch.linalg.vector_norm(x_t, dim=-1, keepdim=True)
             lin.push(torch.zeros_like(U), k, _Carry(carried, b, s[b, t]),
                      inject=(site, U))
 

@@ -39,9 +39,11 @@ from torch import Tensor
 from lipvit.errors import LipvitError
 from lipvit.model import ViT
 
-DEFAULT_MAX_MEMORY = 2**30
-"""Default bytes of tangents held at once (1 GiB, or an eighth of the
-machine's memory when that is less)."""
+DEFAULT_MAX_MEMORY = 4 * 2**30
+"""Default bytes held at once (4 GiB, or a sixth of the machine's memory when
+that is less): enough for ``cifar-lofast-6x384``, whose per-token Gram
+matrices alone take 1 GB."""
+
 
 REFINE = 0.05
 """Patch blocks whose Frobenius norm is at least this fraction of the largest
@@ -54,12 +56,12 @@ class MemoryBudgetError(LipvitError):
 
 
 def default_max_memory() -> int:
-    """:data:`DEFAULT_MAX_MEMORY`, or an eighth of the physical memory if smaller."""
+    """:data:`DEFAULT_MAX_MEMORY`, or a sixth of the physical memory if smaller."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return DEFAULT_MAX_MEMORY
-    return min(DEFAULT_MAX_MEMORY, total // 8)
+    return min(DEFAULT_MAX_MEMORY, total // 6)
 
 
 def parse_memory(text: str) -> int:
@@ -274,7 +276,7 @@ def norms_of_sample(
     ``lin``: its :class:`Linearized`, if built already."""
     how = plan(model, exact_max, max_memory)
     lin = lin or Linearized(model, x)
-    order = patch_order(model)
+    order = patch_order(model).to(x.device)
     n, K = order.numel(), len(model.blocks)
     _, _, H, _, _, group = _sizes(model)
     red = _Reduce(how.exact, group)
@@ -283,7 +285,7 @@ def norms_of_sample(
         for start in range(0, n, how.flush):
             rows = order[start:start + how.flush]
             E = eye[: len(rows)].zero_()
-            E[torch.arange(len(rows)), rows] = 1.0
+            E[torch.arange(len(rows), device=E.device), rows] = 1.0
             parts: dict[tuple[str, int], list[Tensor]] = {}
 
             def keep(kind: str, i: int, T: Tensor, parts=parts) -> None:

@@ -221,3 +221,27 @@ def test_large_image_mode_is_finite_at_zero(family, monkeypatch):
     assert torch.all(tb.margin_drop(0.0) == 0)
     assert torch.all(tb.margin_drop(1e-2).isfinite())
     assert torch.all(tb.radius() >= 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_taylor_on_cuda_matches_cpu(family):
+    """Every step of ``taylor`` on the GPU (tangents, norms, symbols, radius):
+    the same certificate as on the CPU, every tensor on the device."""
+    from lipvit.certify.taylor import taylor_bound
+
+    model = _model(family, 5, depth=3)
+    x = _images(3, 5)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    cpu = taylor_bound(model, x, y)
+    gpu = taylor_bound(model.cuda(), x.cuda(), y.cuda())
+    assert gpu.margins.device.type == "cuda"
+    for eps in (1e-3, 3e-2):
+        assert gpu.margin_drop(eps).device.type == "cuda"
+        assert torch.allclose(gpu.margin_drop(eps).cpu(), cpu.margin_drop(eps),
+                              rtol=1e-9, atol=1e-12)
+    assert torch.allclose(gpu.radius().cpu(), cpu.radius(), rtol=1e-6)
+    large = jacobian_norms(model.cuda(), x.cuda(), exact_max=0)
+    assert large.stream.device.type == "cuda"

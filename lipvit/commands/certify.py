@@ -113,7 +113,7 @@ def _radius_lines(report: CertifyReport, radius: bool, index) -> list[str]:
     "max_memory_text",
     default=None,
     help="memory taylor may hold for its tangents and samples, e.g. 512M, 4G "
-         "[default: 1G, or an eighth of the machine's memory if less]",
+         "[default: 4G, or a sixth of the machine's memory if less]",
 )
 @C.device_option
 @C.data_options
