@@ -163,6 +163,20 @@ class NormBound:
 # --------------------------------------------------------------------------
 
 
+def _per_head(P: Tensor, Y: Tensor) -> Tensor:
+    """``P_h Y_h`` for ``Y`` ``(*lead, H, N, d)`` and ``P`` ``(*lead', H, N, N)``
+    broadcastable to it. A block of ``K`` vectors against one ``P`` per sample
+    (``P`` ``(B, 1, H, N, N)``, ``Y`` ``(B, K, H, N, d)``) is one product per
+    head with the ``K`` vectors side by side, ``(N, N) @ (N, K·d)``, rather
+    than ``K`` broadcast copies of ``P`` (the cost per sample then does not grow
+    with the batch)."""
+    if P.dim() != Y.dim() or P.dim() < 5 or P.shape[-4] != 1 or Y.shape[-4] == 1:
+        return P @ Y
+    Yk = Y.movedim(-4, -2)  # (*lead, H, N, K, d)
+    out = P.squeeze(-4) @ Yk.reshape(*Yk.shape[:-2], -1)  # (*lead, H, N, K·d)
+    return out.reshape(Yk.shape).movedim(-2, -4)
+
+
 def sensitivity_matvec(
     Gamma: Tensor, P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool
 ) -> Tensor:
@@ -181,7 +195,7 @@ def sensitivity_matvec(
     H, D, d = W_v.shape
     *lead, N, _ = Gamma.shape
     GV = (Gamma @ W_v.transpose(0, 1).reshape(D, H * d)).reshape(*lead, N, H, d)
-    PGV = P @ GV.transpose(-3, -2)  # (*lead, H, N, d) = P_h Γ W_v[h]
+    PGV = _per_head(P, GV.transpose(-3, -2))  # (*lead, H, N, d) = P_h Γ W_v[h]
     out = PGV.transpose(-3, -2).reshape(*lead, N, H * d) @ W_o.reshape(H * d, D)
     return out + Gamma if residual else out
 
@@ -193,7 +207,7 @@ def sensitivity_rmatvec(
     H, D, d = W_v.shape
     *lead, N, _ = Y.shape
     YO = (Y @ W_o.reshape(H * d, D).T).reshape(*lead, N, H, d)  # Y W_o[h]ᵀ
-    PYO = P.transpose(-1, -2) @ YO.transpose(-3, -2)  # (*lead, H, N, d)
+    PYO = _per_head(P.transpose(-1, -2), YO.transpose(-3, -2))  # (*lead, H, N, d)
     W_v_cat = W_v.transpose(0, 1).reshape(D, H * d)  # (D, H·d) = [W_v[1] … W_v[H]]
     out = PYO.transpose(-3, -2).reshape(*lead, N, H * d) @ W_v_cat.T  # (*lead, N, D)
     return out + Y if residual else out
