@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 
 import pytest
@@ -77,3 +78,54 @@ def test_refuses_to_overwrite(ckpt, tmp_path):
                                        "--n", "2", "--json", str(js)])
     assert result.exit_code == 1 and "--force" in result.output
     assert js.read_text() == "{}"
+
+
+def test_default_method_is_taylor_without_its_radius_search(ckpt, tmp_path):
+    """No --method: taylor, the strongest sound method, where the model supports
+    it; its costly radius search runs only with --radius."""
+    js = tmp_path / "out.json"
+    result = CliRunner().invoke(main, ["certify", "--ckpt", str(ckpt), "--eps", "0.01",
+                                       "--n", "4", "--json", str(js)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(js.read_text())
+    assert [r["method"] for r in data["results"]] == ["taylor"]
+    assert "taylor" in data["quantities"] and "note:" not in result.output
+    assert all(s["radius"] is None and "radii" not in s for s in data["samples"])
+
+
+def test_default_falls_back_to_lofast_in_one_line(ckpt, monkeypatch):
+    from lipvit.errors import UnsupportedModelError
+
+    command = importlib.import_module("lipvit.commands.certify")  # the module
+
+    def unsupported(model):
+        raise UnsupportedModelError("block 0: unsupported feed-forward layer")
+
+    monkeypatch.setattr(command, "check_supported", unsupported)
+    result = CliRunner().invoke(main, ["certify", "--ckpt", str(ckpt), "--eps", "0.01",
+                                       "--n", "4"])
+    assert result.exit_code == 0, result.output
+    (note,) = [ln for ln in result.output.splitlines() if ln.startswith("note:")]
+    assert "taylor cannot bound this model (block 0: unsupported feed-forward " \
+           "layer); certifying with lofast" in note
+    assert [ln.split()[0] for ln in result.output.splitlines()
+            if ln.startswith(("lofast", "taylor"))] == ["lofast"]
+    assert "--method taylor" not in result.output  # not supported: not suggested
+
+
+def test_nothing_certified_names_the_stronger_method_first(ckpt):
+    def last_line(*args):
+        result = CliRunner().invoke(main, ["certify", "--ckpt", str(ckpt), "--eps",
+                                           "5", "--n", "3", *args])
+        assert result.exit_code == 0, result.output
+        return result.output.strip().splitlines()[-1]
+
+    line = last_line("--method", "lofast,lofast-fast")
+    assert line.startswith("nothing is certified at these eps with lofast, "
+                           "lofast-fast: --method taylor")
+    assert line.index("--method taylor") < line.index("smaller --eps")
+    assert "largest eps any point reaches" in line  # the bound methods' radii
+    line = last_line("--method", "taylor")  # the strongest was used; no radii
+    assert "--method" not in line
+    assert line == ("nothing is certified at these eps with taylor: use a smaller "
+                    "--eps, or --radius for every point's certified radius")

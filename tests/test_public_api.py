@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_config
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 PUBLIC = {
     "lipvit": [
@@ -83,3 +88,45 @@ def test_certificates_round_in_the_safe_direction() -> None:
     logits = torch.tensor([[1e3, 1e3 - 1.0]], dtype=torch.float64)
     lowered = certified_margin(logits, torch.tensor([0]))
     assert float(lowered) == pytest.approx(1.0 - ROUNDING * 1e3) and lowered < 1.0
+
+
+def readme_python_quickstart() -> str:
+    """The code block of the README's "### Python" quickstart, verbatim."""
+    section = README.read_text(encoding="utf-8").split("\n### Python\n", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _public_names_used(code: str) -> set[tuple[str, str]]:
+    """(package, name) for every ``from P import n`` and ``P.n`` of a public
+    package ``P`` in ``code``."""
+    used = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and node.module in ("lipvit",
+                                                                "lipvit.certify"):
+            used |= {(node.module, a.name) for a in node.names}
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "lipvit"):
+            used.add(("lipvit", node.attr))
+    return used
+
+
+def test_readme_python_quickstart_runs_verbatim(digits, tmp_path, monkeypatch,
+                                                capsys) -> None:
+    """The README's Python lines, run as they are on a tiny untrained checkpoint
+    ``lip.pt``: at most five lines, public names only, taylor's records printed."""
+    import lipvit
+
+    code = readme_python_quickstart()
+    assert len(code.strip().splitlines()) <= 5
+    used = _public_names_used(code)
+    assert used, code
+    pinned = {"lipvit": PUBLIC["lipvit"], "lipvit.certify": PUBLIC["certify"]}
+    assert all(name in pinned[package] for package, name in used), used
+    torch.manual_seed(0)
+    lipvit.save_checkpoint(tmp_path / "lip.pt", lipvit.ViT(tiny_config("lipschitz")),
+                           dataset=digits)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(README), "exec"), {})
+    (record,) = ast.literal_eval(capsys.readouterr().out.strip())
+    assert (record["method"], record["eps"], record["exact"]) == ("taylor", 0.05, True)
+    assert 0 <= record["certified_accuracy"] <= record["clean_accuracy"] <= 1

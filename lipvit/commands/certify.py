@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from lipvit.allocator import reexec_with_crown_allocator
+from lipvit.certify.attention import bound_weights
 from lipvit.certify.evaluate import (
     ALL_METHODS,
     QUANTITIES,
@@ -18,6 +19,7 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
+from lipvit.certify.network import check_dot_attention
 from lipvit.certify.sites import EXACT_GRAM_MAX, check_supported
 from lipvit.certify.tangents import parse_memory, plan
 from lipvit.commands import _common as C
@@ -32,7 +34,41 @@ from lipvit.distributed import (
     shard_path,
     shard_slice,
 )
+from lipvit.errors import UnsupportedModelError
 from lipvit.train import cpu_threads
+
+TAYLOR_METHODS = frozenset({"taylor", "cascade-taylor"})
+"""The methods that run ``taylor``: its radius search is the costly part, so a run
+with one of them computes radii only with ``--radius`` (other runs always do:
+the bound methods' radii are nearly free)."""
+
+
+def taylor_unsupported(model) -> str | None:
+    """Why ``taylor`` cannot bound ``model`` (one line), or None where it can."""
+    try:
+        check_supported(model)
+        check_dot_attention(model, "taylor")
+    except UnsupportedModelError as err:
+        return str(err)
+    return None
+
+
+def default_method(model) -> tuple[str, str | None]:
+    """The method of a ``certify`` without ``--method``: the best sound one the
+    model supports, ``taylor`` (first-order exact), else ``lofast``, with the
+    one-line note that says why.
+
+    Raises:
+        UnsupportedModelError: lofast cannot bound the model either (its reason).
+    """
+    why = taylor_unsupported(model)
+    if why is None:
+        return "taylor", None
+    check_dot_attention(model, "the lofast network bound")
+    for block in model.blocks:
+        bound_weights(block.attn)  # refuses query/key biases
+    return "lofast", (f"note: taylor cannot bound this model ({why}); certifying "
+                      "with lofast")
 
 
 def _radius_rows(report: CertifyReport, radii: list[float]) -> list[list]:
@@ -48,26 +84,36 @@ def _radius_rows(report: CertifyReport, radii: list[float]) -> list[list]:
     return rows
 
 
-def _radius_lines(report: CertifyReport, radius: bool, index) -> list[str]:
+def _radius_lines(report: CertifyReport, radius: bool, index,
+                  stronger: str | None = None) -> list[str]:
     """After the table: the median radius (``--radius``) and, when nothing is
-    certified, the largest ε any point reaches and how to get radii."""
+    certified, what to try: first the ``stronger`` method (a sound method the
+    model supports that certifies more, when it was not used), then a smaller
+    ε (the largest ε any point reaches, where the radii are known)."""
     lines = []
     if radius and report.radii:
         medians = ", ".join(f"{m} {float(r.median()):.4g}"
                             for m, r in report.radii.items())
         lines.append(f"median certified radius: {medians}")
-    if report.radii and all(r.certified_accuracy == 0 for r in report.results):
-        method, r = max(report.radii.items(), key=lambda kv: float(kv[1].max()))
-        best = float(r.max())
-        if best > 0:
-            i = int(r.argmax())
-            lines.append(
-                f"nothing is certified at these eps; the largest eps any point "
-                f"reaches is {best:.4g} ({method}, test index {int(index[i])}): "
-                "use a smaller --eps, or --radius for every point's radius")
-        else:
-            lines.append("no point is certified at any eps (every margin is "
-                         "too small for the bound)")
+    if any(r.certified_accuracy > 0 for r in report.results):
+        return lines
+    used = ", ".join(dict.fromkeys(r.method for r in report.results))
+    advice = (f"--method {stronger} (a stronger sound certificate, slower) may "
+              "certify points here; else " if stronger else "")
+    best = max(((float(r.max()), m, int(r.argmax())) for m, r in report.radii.items()),
+               default=None)
+    if best is None:
+        lines.append(f"nothing is certified at these eps with {used}: {advice}use a "
+                     "smaller --eps, or --radius for every point's certified radius")
+    elif best[0] > 0:
+        lines.append(
+            f"nothing is certified at these eps with {used}: {advice}use a smaller "
+            f"--eps: the largest eps any point reaches is {best[0]:.4g} ({best[1]}, "
+            f"test index {int(index[best[2]])}); --radius gives every point's radius")
+    else:
+        lines.append(f"no point is certified at any eps with {used} (every margin "
+                     "is too small for the bound)"
+                     + (f": try --method {stronger}" if stronger else ""))
     return lines
 
 
@@ -84,9 +130,9 @@ def _radius_lines(report: CertifyReport, radius: bool, index) -> list[str]:
     "--method",
     "method_text",
     multiple=True,
-    default=("lofast",),
-    show_default=True,
-    help=f"comma list or repeatable, from: {', '.join(ALL_METHODS)}",
+    help=f"comma list or repeatable, from: {', '.join(ALL_METHODS)} [default: "
+         "taylor, the strongest sound method, where the model supports it, else "
+         "lofast (a one-line note says why)]",
 )
 @click.option(
     "--radius",
@@ -138,6 +184,13 @@ def certify(
 ) -> None:
     """Certified accuracy at each EPS for each METHOD (LoFAST Prop. 1: margin > √2·δ).
 
+    Without --method: `taylor`, the strongest sound method, where the model
+    supports it, else `lofast` (a one-line note says why). When nothing is
+    certified the last line names a stronger method, if one was not used,
+    before suggesting a smaller eps. taylor's radius search (its costly part)
+    runs only with --radius: a run with taylor or cascade-taylor computes radii
+    only then; other runs always compute their (cheap) radii for the JSON.
+
     `lofast` is sound (exact ζ and ‖M_h(X)‖); `lofast-fast` uses power-iteration
     estimates and is labelled exact=false; `taylor` bounds every wrong-class
     margin to first order exactly plus certified remainders (docs/taylor.md);
@@ -153,7 +206,7 @@ def certify(
     """
     ranks = ranks_from_env()
     eps_list = C.parse_floats(eps_text, "eps")
-    methods = C.parse_names(method_text, ALL_METHODS, "method")
+    methods = C.parse_names(method_text, ALL_METHODS, "method") if method_text else []
     C.check_writable([json_path, csv_path], force)
     if {"crown", "cascade", "cascade-taylor"} & set(methods):
         reexec_with_crown_allocator()  # glibc.malloc.mmap_max=0, once
@@ -163,29 +216,39 @@ def certify(
     data = C.load_test_set(
         loaded, n=n, dataset=dataset, data_dir=data_dir, device=dev
     )
+    if not methods:
+        method, note = default_method(model)
+        methods = [method]
+        if note and ranks.rank == 0:
+            click.echo(note, err=True)
     if ranks.rank == 0:
         C.warn_large_eps(eps_list, data.x.shape[1:])
     max_memory = None if max_memory_text is None else parse_memory(max_memory_text)
-    if {"taylor", "cascade-taylor"} & set(methods):
+    taylor = bool(TAYLOR_METHODS & set(methods))
+    if taylor:
         check_supported(model)
         plan(model, EXACT_GRAM_MAX, max_memory)  # refuses a too small budget now
+    # Only a named --radius pays for taylor's radius search.
+    radii = radius or not taylor
+    stronger = None if taylor or taylor_unsupported(model) else "taylor"
     shard = shard_slice(len(data.y), batch_size, ranks)
     output = json_path or csv_path
     shard_file = shard_path(output, ranks) if ranks.world > 1 and output else None
     settings = shard_settings(ckpt, data, shard, methods, eps_list, radius_tol,
-                              batch_size, dev) | {"max_memory": max_memory}
+                              batch_size, dev, max_memory=max_memory, radii=radii)
     with process_group(ranks):
         record = load_shard(shard_file, settings) if shard_file else None
         if record is None:
             record = _certify_shard(model, data.x[shard], data.y[shard], methods,
                                     eps_list, radius_tol, batch_size, loaded.config,
-                                    show=ranks.rank == 0, max_memory=max_memory)
+                                    show=ranks.rank == 0, max_memory=max_memory,
+                                    radii=radii)
             if shard_file:
                 save_shard(shard_file, settings, record)
         records = gather_to_root(record, ranks)
         if records is not None:
             _report(merge_records(records), ckpt, data, methods, eps_list, radius,
-                    json_path, csv_path, force)
+                    json_path, csv_path, force, stronger=stronger)
         barrier(ranks)  # the merged outputs are written: the shards are done
         if shard_file:
             shard_file.unlink(missing_ok=True)
@@ -193,21 +256,26 @@ def certify(
 
 def shard_settings(ckpt: Path, data: C.TestSet, shard: slice, methods: list[str],
                    eps_list: list[float], radius_tol: float, batch_size: int,
-                   device: torch.device) -> dict:
+                   device: torch.device, *, max_memory: int | None = None,
+                   radii: bool = True) -> dict:
     """What a shard's results depend on: a shard file saved with other settings
-    is not reused (the checkpoint is identified by path, size and mtime)."""
+    is not reused (the checkpoint is identified by path, size and mtime;
+    ``radii``: whether the record holds every method's radii)."""
     stat = Path(ckpt).stat()
     return {
         "checkpoint": [str(Path(ckpt).resolve()), stat.st_size, stat.st_mtime_ns],
         "dataset": data.dataset, "index": data.index[shard].tolist(),
         "methods": methods, "eps": eps_list, "radius_tol": radius_tol,
-        "batch_size": batch_size, "device": device.type,
+        "batch_size": batch_size, "device": device.type, "max_memory": max_memory,
+        "radii": radii,
     }
 
 
 def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, config,
-                   show: bool, max_memory: int | None = None) -> dict:
-    """:func:`certify_samples` on one shard (all radii), as a plain record."""
+                   show: bool, max_memory: int | None = None,
+                   radii: bool = True) -> dict:
+    """:func:`certify_samples` on one shard (every method's radii with
+    ``radii``), as a plain record."""
     if len(y) == 0:
         return {"n": 0}
     x = x.to(torch.float64)
@@ -223,7 +291,7 @@ def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, confi
             y,
             methods,
             eps_list,
-            radius=True,  # cheap for the bound methods; shown with --radius
+            radius=radii,  # cheap for the bound methods; shown with --radius
             radius_tol=radius_tol,
             batch_size=batch_size,
             # shares of a sample add up to the total only up to float rounding
@@ -235,8 +303,9 @@ def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, confi
 
 def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[str],
             eps_list: list[float], radius: bool, json_path: Path | None,
-            csv_path: Path | None, force: bool) -> None:
-    """Print the tables and write the JSON/CSV of the merged report."""
+            csv_path: Path | None, force: bool, stronger: str | None = None) -> None:
+    """Print the tables and write the JSON/CSV of the merged report
+    (``stronger``: the method to suggest when nothing is certified)."""
     rows = report.to_records()
     click.echo(
         f"{ckpt}  dataset={data.dataset}  n={report.n}  "
@@ -257,7 +326,7 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
             ],
         )
     )
-    for line in _radius_lines(report, radius, data.index):
+    for line in _radius_lines(report, radius, data.index, stronger):
         click.echo(line)
     if not radius:
         report = dataclasses.replace(report, radii={})

@@ -1,0 +1,90 @@
+"""Every relative link in README.md and docs/*.md resolves: the file, and the
+``#anchor`` to one of its headings (GitHub's slugs). Links inside code are not
+links; neither are ``#`` lines inside fenced code blocks headings."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]"  # [text], [a [nested] text]
+                  r"\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")  # (target "title")
+HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
+EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced blocks (lines kept, emptied) and code spans."""
+    text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    return CODE_SPAN.sub("", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: link text kept, markup and punctuation
+    dropped, lower case, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of every heading of ``path`` (repeats get ``-1``, ``-2``...)."""
+    text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), path.read_text())
+    seen: dict[str, int] = {}
+    out = set()
+    for _, title in HEADING.findall(text):
+        base = slug(title)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def broken_links(path: Path) -> list[str]:
+    """``target (why)`` for every relative link of ``path`` that does not resolve."""
+    bad = []
+    for target in LINK.findall(_prose(path.read_text())):
+        if EXTERNAL.match(target):
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target} (no heading with this anchor in {dest.name})")
+    return bad
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path: Path) -> None:
+    assert broken_links(path) == []
+
+
+def test_the_checker_finds_missing_files_and_anchors(tmp_path: Path) -> None:
+    (tmp_path / "other.md").write_text(
+        "# Other page\n\n## The `taylor` certificate (ours)\n\n## Repeat\n\n## Repeat\n"
+        "```bash\n# not a heading\n```\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n## Known limits\n\n"
+        "[ok](other.md) [ok](other.md#the-taylor-certificate-ours) "
+        "[ok](other.md#repeat-1) [ok](#known-limits) [ok](https://example.org/x) "
+        "![ok](other.md)\n"
+        "[missing](nothere.md) [bad anchor](other.md#nope) [bad](#not-a-heading)\n"
+        "`[code](is-not-a-link.md)`\n"
+        "```\n[fenced](not-a-link-either.md)\n```\n")
+    assert broken_links(page) == [
+        "nothere.md (no such file)",
+        "other.md#nope (no heading with this anchor in other.md)",
+        "#not-a-heading (no heading with this anchor in page.md)",
+    ]
+    assert "not-a-heading" not in anchors(tmp_path / "other.md")
+    assert slug("Training for the certificate (`--relu-stability`)") == (
+        "training-for-the-certificate---relu-stability")
