@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lipvit.certified_training import CertifiedLoss, cert_eps_at
 from lipvit.checkpoint import load_checkpoint, save_checkpoint
 from lipvit.config import ViTConfig
 from lipvit.data import Dataset, augment
@@ -91,6 +92,14 @@ class TrainConfig:
             the ``taylor`` certificate); 0 disables.
         stability_radius: ``κ``, the per-token move at an SLL block's input that
             the penalty asks each unit to withstand without changing sign.
+        cert_eps: certified training for the ``taylor`` certificate at this ℓ2
+            radius (:mod:`lipvit.certified_training`, lipschitz family): the
+            loss sees the strongest wrong logit raised by ``ε‖c_jᵀJ‖`` plus a
+            bound on its ReLU units' flips; 0 disables.
+        cert_warmup: fraction of the training steps over which the radius of
+            ``cert_eps`` ramps linearly from 0 (0: the full radius at once).
+        cert_stream: ``ρ``, the per-token move at an SLL input per unit of
+            image perturbation that the ReLU term assumes.
         augment: apply the dataset's random crop / flip (:attr:`Dataset.augment`).
         seed: seeds initialisation, batch order, augmentation and PGD starts.
         deterministic: ``torch.use_deterministic_algorithms(True)`` during
@@ -119,6 +128,9 @@ class TrainConfig:
     margin: float = 0.0
     relu_stability: float = 0.0
     stability_radius: float = 0.25
+    cert_eps: float = 0.0
+    cert_warmup: float = 0.25
+    cert_stream: float = 0.5
     augment: bool = True
     seed: int = 0
     deterministic: bool = False
@@ -145,7 +157,7 @@ class TrainConfig:
                 f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}"
             )
         for name in ("weight_decay", "warmup", "grad_clip", "adv_eps",
-                     "relu_stability"):
+                     "relu_stability", "cert_eps"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -155,7 +167,12 @@ class TrainConfig:
             )
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be a finite number >= 0, got {self.margin}")
-        for name in ("loss_scale", "stability_radius"):
+        if not 0 <= self.cert_warmup <= 1:
+            raise ValueError(
+                f"cert_warmup must lie in [0, 1] (a fraction of the training "
+                f"steps), got {self.cert_warmup}"
+            )
+        for name in ("loss_scale", "stability_radius", "cert_stream"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -269,6 +286,8 @@ class EpochLog(NamedTuple):
     seconds: float
     cpu_seconds: float = 0.0  # process CPU time of the epoch (shared machines)
     relu_unstable: float | None = None  # fraction of SLL units not κ-stable
+    cert_eps: float | None = None  # the certified-training radius at the epoch's end
+    cert_acc: float | None = None  # training points whose margin beat the raise
 
     def line(self, epochs: int) -> str:
         """The log line printed after the epoch."""
@@ -276,6 +295,8 @@ class EpochLog(NamedTuple):
         unstable = (
             "" if self.relu_unstable is None else f"  unstable {self.relu_unstable:.3f}"
         )
+        if self.cert_eps is not None and self.cert_acc is not None:
+            unstable += f"  cert {100 * self.cert_acc:5.1f}% @ {self.cert_eps:.3g}"
         return (
             f"epoch {self.epoch:>3}/{epochs}  loss {self.loss:.4f}  "
             f"msvp {self.msvp_penalty:.2e}{unstable}  "
@@ -517,6 +538,8 @@ def train_step(
     msvp: MSVP | None = None,
     *,
     stability: ReLUStability | None = None,
+    cert: CertifiedLoss | None = None,
+    cert_eps: float = 0.0,
     net: nn.Module | None = None,
     generator: torch.Generator | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
@@ -528,10 +551,13 @@ def train_step(
     backward, gradient clipping, optimizer step. The learning rate is whatever
     ``optimizer`` holds. Every parametrised (capped) weight is computed once
     per step (``parametrize.cached``) and shared by PGD, the forward pass and
-    the penalty.
+    the penalty. With ``cert`` and ``cert_eps > 0`` the cross-entropy sees the
+    logits of :meth:`CertifiedLoss.raised_logits` (one double backward pass).
 
     Args:
         model: the bare model (PGD and clipping use it).
+        cert: the certified-training loss (:mod:`lipvit.certified_training`).
+        cert_eps: its radius at this step (:func:`cert_eps_at`).
         net: what the forward pass calls (the DDP wrapper; default ``model``).
 
     Returns:
@@ -554,10 +580,15 @@ def train_step(
             )
         if stability is not None:
             stability.clear()  # PGD's forward passes do not count
-        with ctx():
+        certifying = cert is not None and cert_eps > 0
+        if certifying:
+            cert.clear()
+            x = x.detach().requires_grad_(True)
+        with ctx(), cert.context() if certifying else contextlib.nullcontext():
             logits = net(x)
+            seen = cert.raised_logits(logits, x, y, cert_eps) if certifying else logits
         loss = margin_cross_entropy(
-            logits.float(), y, cfg.loss_scale, cfg.margin, cfg.label_smoothing
+            seen.float(), y, cfg.loss_scale, cfg.margin, cfg.label_smoothing
         )
         objective = loss if stability is None else loss + stability()
         if msvp is not None:
@@ -696,6 +727,7 @@ def _train(
         if cfg.relu_stability > 0
         else None
     )
+    cert = CertifiedLoss(model, cfg.cert_stream) if cfg.cert_eps > 0 else None
     groups = _param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
@@ -742,6 +774,8 @@ def _train(
         loss_sum = torch.zeros((), device=device)
         pen_sum = torch.zeros((), device=device)
         correct = torch.zeros((), dtype=torch.long, device=device)
+        cert_correct = torch.zeros((), dtype=torch.long, device=device)
+        eps_now = 0.0
         seen = 0
         bar = tqdm(
             total=steps_per_epoch,
@@ -758,10 +792,17 @@ def _train(
             lr = lr_at(step, total_steps, warmup_steps, cfg.lr)
             for group in opt.param_groups:
                 group["lr"] = lr
+            if cert is not None:
+                eps_now = cert_eps_at(step, total_steps, cfg.cert_eps, cfg.cert_warmup)
             loss, penalty, logits = train_step(
-                model, opt, x, y, cfg, msvp, stability=stability, net=net,
-                generator=gen, autocast=autocast,
+                model, opt, x, y, cfg, msvp, stability=stability, cert=cert,
+                cert_eps=eps_now, net=net, generator=gen, autocast=autocast,
             )
+            if cert is not None:
+                last = cert.last
+                cert_correct += ((logits.argmax(dim=-1) == y)
+                                 & (last["margin"] > last["first"] + last["relu"])
+                                 ).sum()
             if msvp is not None:
                 pen_sum += penalty
             loss_sum += loss * y.shape[0]
@@ -778,6 +819,7 @@ def _train(
                 correct.to(loss_sum.dtype),
                 torch.tensor(float(seen), device=device),
                 pen_sum,
+                cert_correct.to(loss_sum.dtype),
             ]
         )
         if world > 1:
@@ -799,6 +841,8 @@ def _train(
             seconds=time.perf_counter() - t0,
             cpu_seconds=time.process_time() - cpu0,
             relu_unstable=None if stability is None else stability.take_unstable(),
+            cert_eps=None if cert is None else eps_now,
+            cert_acc=None if cert is None else float(stats[4] / stats[2]),
         )
         history.append(record._asdict())
         extra = {
@@ -822,6 +866,8 @@ def _train(
 
     if stability is not None:
         stability.remove()
+    if cert is not None:
+        cert.remove()
     if extra is None:  # resumed a finished run: nothing trained
         extra = {
             "epoch": cfg.epochs,

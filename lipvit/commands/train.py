@@ -202,6 +202,28 @@ def _defaults_help(name: str, default: Any = None) -> str:
     "without changing sign [default: 0.25].",
 )
 @click.option(
+    "--cert-eps",
+    type=float,
+    default=None,
+    help="Certified training for the taylor certificate at this l2 radius "
+    "(lipschitz family): the strongest wrong logit is raised by its first-order "
+    "margin drop plus a bound on its ReLU flips [default: 0, off].",
+)
+@click.option(
+    "--cert-warmup",
+    type=float,
+    default=None,
+    help="Fraction of the training steps over which --cert-eps ramps up "
+    "linearly from 0 [default: 0.25].",
+)
+@click.option(
+    "--cert-stream",
+    type=float,
+    default=None,
+    help="Per-token move at an SLL input per unit of image perturbation that "
+    "the --cert-eps loss assumes [default: 0.5].",
+)
+@click.option(
     "--augment/--no-augment",
     default=None,
     help="Random crop/flip suited to the dataset "
