@@ -130,7 +130,7 @@ class TrainConfig:
     stability_radius: float = 0.25
     cert_eps: float = 0.0
     cert_warmup: float = 0.25
-    cert_stream: float = 0.5
+    cert_stream: float = 0.25
     augment: bool = True
     seed: int = 0
     deterministic: bool = False

@@ -221,23 +221,28 @@ def test_trainer_combines_cert_eps_msvp_and_relu_stability(tmp_path, digits_data
         train(cfg, longer, data, out, resume=True, progress=False)
 
 
-def test_training_raises_the_surrogate_certified_fraction(tmp_path, digits_data):
-    """Three epochs of the tiny model with and without ``cert_eps``: on test
-    images, more points have a margin above the first-order plus ReLU terms."""
+def test_training_lowers_the_charged_margin_drop(tmp_path, digits_data):
+    """Three epochs of the tiny model with and without ``cert_eps`` (same seed and
+    schedule): on test images the raise ``D`` at ε = 0.1 (first-order plus ReLU
+    terms) ends well below plain training's, its ReLU part far below (measured:
+    D 5.8e-4 → 1.2e-4, ReLU term 1.0e-4 → 5.8e-6). The tiny model is barely
+    trained after three epochs; what the loss buys in certificates is measured on
+    digits-small in docs/certified-training.md."""
     data = digits_data
     cfg = tiny_config("lipschitz", mean=data.mean, std=data.std)
     x, y = data.x_test[:300].double(), data.y_test[:300]
-    frac = {}
+    terms = {}
     for eps in (0.0, 0.1):
         tc = TrainConfig(epochs=3, batch_size=64, lr=5e-3, loss_scale=128.0,
                          cert_eps=eps, device="cpu")
         out = tmp_path / f"m{eps}.pt"
         train(cfg, tc, data, out, progress=False)
         model = load_checkpoint(out).model.double().eval()
-        logits, _, last = _raise(model, x, y, 0.1, tc.cert_stream)
-        ok = (logits.argmax(1) == y) & (last["margin"] > last["first"] + last["relu"])
-        frac[eps] = float(ok.double().mean())
-    assert frac[0.1] > frac[0.0] + 0.05  # measured: 0.013 → 0.093
+        _, _, last = _raise(model, x, y, 0.1, tc.cert_stream)
+        terms[eps] = (float((last["first"] + last["relu"]).median()),
+                      float(last["relu"].median()))
+    assert terms[0.1][0] < 0.5 * terms[0.0][0]
+    assert terms[0.1][1] < 0.25 * terms[0.0][1]
 
 
 # ---------------------------------------------------------------- refusals
@@ -307,3 +312,76 @@ def test_cli_trains_with_cert_eps_msvp_and_relu_stability(tmp_path: Path):
     tc = load_checkpoint(out).raw["train_config"]
     assert (tc["cert_eps"], tc["cert_warmup"], tc["cert_stream"]) == (0.1, 0.0, 0.5)
     assert tc["relu_stability"] == 0.2 and tc["msvp"] == [1e-3] * 3
+
+
+# ---------------------------------------------------------------- trade-off figure
+
+
+def _certify_json(path: Path, clean: float, certified: dict[float, float],
+                  checkpoint: str | None = None) -> Path:
+    import json
+
+    data = {"checkpoint": checkpoint, "dataset": "digits", "n": 100,
+            "clean_accuracy": clean,
+            "results": [{"method": "taylor", "eps": e, "certified_accuracy": a,
+                         "exact": True} for e, a in certified.items()],
+            "samples": []}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_plot_tradeoff_one_point_per_setting(tmp_path: Path):
+    from lipvit.analysis.tradeoff import TradeoffPoint, plot_tradeoff
+
+    files = [_certify_json(tmp_path / "plain.json", 0.94, {0.05: 0.89, 0.1: 0.34}),
+             _certify_json(tmp_path / "cert.json", 0.93, {0.05: 0.88, 0.1: 0.80})]
+    out = tmp_path / "fig.png"
+    result = CliRunner().invoke(main, [
+        "plot", "tradeoff", *map(str, files), "--eps", "0.05,0.1", "--label", "plain",
+        "--label", "--cert-eps 0.1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_size > 0
+    table = result.output.splitlines()
+    assert table[0].split()[:2] == ["setting", "clean"]
+    assert "0.3400" in result.output and "0.8000" in result.output
+    fig = plot_tradeoff([TradeoffPoint("a", 0.94, {0.05: 0.89, 0.1: 0.34}),
+                         TradeoffPoint("b", 0.86, {0.05: 0.82, 0.1: 0.74})],
+                        method="taylor")
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    assert 0.8 < lo < 0.86 and 0.94 < hi < 1.0  # fitted to the data
+    lo, hi = ax.get_ylim()
+    assert 0.2 < lo < 0.34 and 0.89 < hi <= 1.0
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "a", "b", "ε = 0.05", "ε = 0.1"]
+    points = [(float(ln.get_xdata()[0]), float(ln.get_ydata()[0]))
+              for ln in ax.get_lines() if ln.get_marker() not in (None, "None", "")]
+    assert sorted(points) == sorted([(0.94, 0.89), (0.94, 0.34), (0.86, 0.82),
+                                     (0.86, 0.74)])
+
+
+def test_plot_tradeoff_test_accuracy_and_refusals(tmp_path: Path):
+    import json
+
+    ckpt = tmp_path / "m.pt"
+    (tmp_path / "m.json").write_text(json.dumps({"test_acc": 0.925}))
+    f = _certify_json(tmp_path / "c.json", 0.94, {0.1: 0.8}, checkpoint=str(ckpt))
+    out = tmp_path / "fig.png"
+    ok = CliRunner().invoke(main, ["plot", "tradeoff", str(f), "--eps", "0.1",
+                                   "--clean", "test", "--out", str(out)])
+    assert ok.exit_code == 0 and "0.9250" in ok.output, ok.output
+    out.unlink()
+    bad = [
+        (["--eps", "0.2"], "no taylor result at eps 0.2"),
+        (["--eps", "0.1", "--label", "a", "--label", "b"], "--label given 2 times"),
+        (["--eps", "0.1", "--method", "lofast"], "no lofast result at eps 0.1"),
+    ]
+    for args, text in bad:
+        result = CliRunner().invoke(main, ["plot", "tradeoff", str(f), *args,
+                                           "--out", str(out)])
+        _one_line_error(result, text)
+        assert not out.exists()
+    g = _certify_json(tmp_path / "d.json", 0.94, {0.1: 0.8})
+    result = CliRunner().invoke(main, ["plot", "tradeoff", str(g), "--eps", "0.1",
+                                       "--clean", "test", "--out", str(out)])
+    _one_line_error(result, "no training summary")

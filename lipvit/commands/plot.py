@@ -1,7 +1,7 @@
 """``lipvit plot``: figures from the JSON results of other commands.
 
 ``plot`` is a click group; each figure kind is a subcommand (``certified``,
-``gap``; others may be added with ``@plot.command``).
+``gap``, ``tradeoff``; others may be added with ``@plot.command``).
 """
 
 from __future__ import annotations
@@ -239,3 +239,70 @@ def _radius_methods(data: Any) -> list[str]:
     samples = data.get("samples") if isinstance(data, Mapping) else None
     return list(dict.fromkeys(m for s in samples or [] if isinstance(s, Mapping)
                               for m in (s.get("radii") or {})))
+
+
+@plot.command("tradeoff")
+@click.argument("results", nargs=-1, required=True,
+                type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="figure file (.png; .pdf for PDF)")
+@click.option("--eps", "eps_text", required=True,
+              help="comma list of radii to plot (each file must hold them)")
+@click.option("--method", default="taylor", show_default=True,
+              help="the certification method of the y axis")
+@click.option("--label", "labels", multiple=True,
+              help="one name per file, in order (repeat the option) [default: "
+                   "the file stems]")
+@click.option("--clean", type=click.Choice(["points", "test"]), default="points",
+              show_default=True,
+              help="x axis: clean accuracy on the certified points, or on the whole "
+                   "test set (the training summary beside the checkpoint)")
+@click.option("--title", default=None)
+@C.pdf_option
+@C.force_option
+def tradeoff(results: tuple[Path, ...], out: Path, eps_text: str, method: str,
+             labels: tuple[str, ...], clean: str, title: str | None, pdf: bool,
+             force: bool) -> None:
+    """Clean accuracy against certified accuracy at EPS, one point per training
+    setting: each RESULTS file is the `lipvit certify --json` output of one
+    model (e.g. plain, --margin, --relu-stability, --cert-eps)."""
+    from lipvit.analysis.plots import figure_paths
+    from lipvit.analysis.tradeoff import TradeoffPoint, certified_at, plot_tradeoff
+    from lipvit.train import summary_path
+
+    targets = figure_paths(out, pdf)
+    C.check_writable(targets, force)
+    eps_list = C.parse_floats(eps_text, "eps")
+    if labels and len(labels) != len(results):
+        raise LipvitError(f"--label given {len(labels)} times for {len(results)} "
+                          "files; give one per file or none")
+    names = list(labels) or [label.rstrip(": ") or p.stem
+                             for p, label in _labels(list(results)).items()]
+    points = []
+    for path, name in zip(results, names, strict=True):
+        data = C.read_json(path)
+        if _kind(path, data) != "certify":
+            raise LipvitError(f"{path}: an attack file; tradeoff needs "
+                              "`lipvit certify --json` files")
+        if clean == "points":
+            acc = data.get("clean_accuracy")
+        else:
+            ckpt = data.get("checkpoint")
+            summary = summary_path(ckpt) if ckpt else None
+            if summary is None or not summary.is_file():
+                raise LipvitError(f"{path}: no training summary beside its checkpoint "
+                                  f"({summary}); use --clean points")
+            acc = C.read_json(summary).get("test_acc")
+        if not isinstance(acc, (int, float)):
+            raise LipvitError(f"{path}: no clean accuracy")
+        points.append(TradeoffPoint(name, float(acc), {
+            e: certified_at(data, method, e, str(path)) for e in eps_list}))
+    x_label = ("clean accuracy (certified points)" if clean == "points"
+               else "test accuracy")
+    plot_tradeoff(points, method=method, clean_label=x_label, title=title, path=out,
+                  pdf=pdf)
+    click.echo(C.format_table(
+        ["setting", x_label] + [f"{method} @ {C.format_eps(e)}" for e in eps_list],
+        [[p.label, f"{p.clean:.4f}"] + [f"{p.certified[e]:.4f}" for e in eps_list]
+         for p in points]))
+    click.echo(f"wrote {', '.join(str(t) for t in targets)}")

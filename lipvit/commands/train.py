@@ -221,7 +221,7 @@ def _defaults_help(name: str, default: Any = None) -> str:
     type=float,
     default=None,
     help="Per-token move at an SLL input per unit of image perturbation that "
-    "the --cert-eps loss assumes [default: 0.5].",
+    "the --cert-eps loss assumes [default: 0.25].",
 )
 @click.option(
     "--augment/--no-augment",
