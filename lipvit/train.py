@@ -7,16 +7,17 @@ One training step (SpecFormer eq. 11/14, docs/math.md §4)::
     J = CE(s · f(x̃), y)
         + Σ_layers Σ_heads [λ_q σ²(W_q[h]) + λ_k σ²(W_k[h]) + λ_v σ²(W_v[h])]
 
-with ``x̃`` the augmented (and, with ``adv_train``, PGD-perturbed) batch and ``s``
-the loss scale (:attr:`TrainConfig.loss_scale`). The data never leave the
-device: batches are rows of one resident tensor picked by a device permutation,
-augmented by :func:`lipvit.data.augment`. The learning rate follows a linear
-warm-up then a cosine decay, per step. Autocast to bf16 on CUDA. A checkpoint is
-written atomically at the end of every epoch (model, optimizer, MSVP buffers,
-RNG states, epoch), so ``resume=True`` continues an interrupted run. With
-``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in
-DistributedDataParallel, every rank takes its share of each batch and only
-rank 0 writes files and logs.
+with ``x̃`` the augmented (and, with ``adv_train``, PGD-perturbed) batch and
+``s`` the loss scale (:attr:`TrainConfig.loss_scale`); with ``cert_eps`` the
+cross-entropy sees the logits raised by :mod:`lipvit.certified_training`. The
+data never leave the device: batches are rows of one resident tensor picked by a
+device permutation, augmented by :func:`lipvit.data.augment`. The learning rate
+follows a linear warm-up then a cosine decay, per step. Autocast to bf16 on
+CUDA. A checkpoint is written atomically at the end of every epoch (model,
+optimizer, MSVP buffers, RNG states, epoch), so ``resume=True`` continues an
+interrupted run. With ``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in
+DistributedDataParallel, every rank takes its share of each batch and only rank
+0 writes files and logs.
 """
 
 from __future__ import annotations
@@ -916,7 +917,9 @@ def _restore(
             f"cannot resume {out}: it was trained with another model "
             "configuration (use --force to start over)"
         )
-    saved = dict(raw.get("train_config") or {})
+    # A checkpoint from before a field existed was trained as its default does
+    # (every field added later defaults to "off", e.g. cert_eps = 0).
+    saved = {**TrainConfig().to_dict(), **(raw.get("train_config") or {})}
     mine = cfg.to_dict()
     for key in ("device", "deterministic", "threads"):  # may change between sessions
         saved.pop(key, None)

@@ -245,6 +245,30 @@ def test_training_lowers_the_charged_margin_drop(tmp_path, digits_data):
     assert terms[0.1][1] < 0.25 * terms[0.0][1]
 
 
+def test_checkpoints_from_before_cert_eps_resume(tmp_path, digits_data):
+    """A checkpoint whose training settings predate the cert_* fields was trained
+    without the loss, as their defaults say: resuming it is not refused, while a
+    run asking for cert_eps is."""
+    data = digits_data
+    cfg = tiny_config("lipschitz", mean=data.mean, std=data.std)
+    tc = TrainConfig(epochs=1, batch_size=512, lr=5e-3, loss_scale=128.0,
+                     device="cpu")
+    out = tmp_path / "old.pt"
+    train(cfg, tc, data, out, progress=False)
+    raw = torch.load(out, weights_only=False)
+    for key in ("cert_eps", "cert_warmup", "cert_stream"):
+        del raw["train_config"][key]
+    torch.save(raw, out)
+    longer = TrainConfig(**{**tc.to_dict(), "epochs": 2, "msvp": tc.msvp})
+    with pytest.raises(Exception, match="training settings differ \\(epochs\\)"):
+        train(cfg, longer, data, out, resume=True, progress=False)
+    summary = train(cfg, tc, data, out, resume=True, progress=False)
+    assert len(summary["history"]) == 1
+    certified = TrainConfig(**{**tc.to_dict(), "cert_eps": 0.1, "msvp": tc.msvp})
+    with pytest.raises(Exception, match="training settings differ \\(cert_eps\\)"):
+        train(cfg, certified, data, out, resume=True, progress=False)
+
+
 # ---------------------------------------------------------------- refusals
 
 

@@ -15,6 +15,7 @@ from lipvit.errors import LipvitError
 from lipvit.train import (
     DATASET_DEFAULTS,
     FAMILY_DEFAULTS,
+    TrainConfig,
     summary_path,
     train,
     train_config_for,
@@ -38,6 +39,11 @@ def _shown(value: Any) -> str:
     if value is None or value is False:
         return "off"
     return "on" if value is True else str(value)
+
+
+def _field_default(name: str) -> Any:
+    """:class:`TrainConfig`'s own default of field ``name``."""
+    return TrainConfig.__dataclass_fields__[name].default
 
 
 def _defaults_help(name: str, default: Any = None) -> str:
@@ -206,22 +212,23 @@ def _defaults_help(name: str, default: Any = None) -> str:
     type=float,
     default=None,
     help="Certified training for the taylor certificate at this l2 radius "
-    "(lipschitz family): the strongest wrong logit is raised by its first-order "
-    "margin drop plus a bound on its ReLU flips [default: 0, off].",
+    "(lipschitz family): the strongest wrong logit is raised by its exact "
+    "first-order margin drop plus a bound on its ReLU units' flips at an assumed "
+    "stream move (docs/certified-training.md) [default: 0, off].",
 )
 @click.option(
     "--cert-warmup",
     type=float,
     default=None,
     help="Fraction of the training steps over which --cert-eps ramps up "
-    "linearly from 0 [default: 0.25].",
+    f"linearly from 0 [default: {_field_default('cert_warmup')}].",
 )
 @click.option(
     "--cert-stream",
     type=float,
     default=None,
     help="Per-token move at an SLL input per unit of image perturbation that "
-    "the --cert-eps loss assumes [default: 0.25].",
+    f"the --cert-eps loss assumes [default: {_field_default('cert_stream')}].",
 )
 @click.option(
     "--augment/--no-augment",
