@@ -201,6 +201,11 @@ ATTACKS: dict[str, AttackSpec] = {
                        m, eps=e, alpha=_alpha(e, s), steps=s["steps"],
                        random_start=s["random_start"]),
                    True, "PGD, ℓ2, cross-entropy"),
+        AttackSpec("apgd", ("linf", "l2"),
+                   lambda m, e, n, s: _torchattacks().APGD(
+                       m, norm={"linf": "Linf", "l2": "L2"}[n], eps=e,
+                       steps=s["steps"], n_restarts=1, seed=s["seed"]),
+                   False, "APGD, cross-entropy, step size adapted (Croce & Hein 2020)"),
         AttackSpec("cw", ("l2", "linf"),
                    lambda m, e, n, s: _torchattacks().CW(
                        m, c=s["c"], kappa=s["kappa"], steps=s["cw_steps"], lr=s["lr"]),

@@ -41,7 +41,7 @@ def test_trained_model_is_accurate(trained):
 
 @pytest.mark.parametrize(("norm", "names", "eps"), [
     ("linf", ["fgsm", "pgd", "cw-pgd"], 8 / 255),
-    ("l2", ["pgd-l2"], 0.5),
+    ("l2", ["pgd-l2", "apgd"], 0.5),
 ])
 def test_attacks_lower_accuracy(trained, norm, names, eps):
     model, x, y = trained
@@ -69,7 +69,7 @@ def test_per_sample_consistency(trained):
 
 @pytest.mark.parametrize(("name", "norm", "eps"), [
     ("fgsm", "linf", 4 / 255), ("pgd", "linf", 4 / 255), ("cw-pgd", "linf", 4 / 255),
-    ("pgd-l2", "l2", 0.3),
+    ("pgd-l2", "l2", 0.3), ("apgd", "l2", 0.3), ("apgd", "linf", 4 / 255),
 ])
 def test_adversarial_points_lie_in_the_ball(trained, name, norm, eps):
     model, x, y = trained

@@ -220,7 +220,8 @@ def test_cli_missing_directory_is_one_line(tmp_path: Path, command: list) -> Non
 def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
     tmp_path: Path,
 ) -> None:
-    for settings in (Settings(), Settings.fast_mode("fashion-mnist")):
+    full = Settings.for_dataset("fashion-mnist")
+    for settings in (full, Settings.fast_mode("fashion-mnist")):
         plan = build_plan(tmp_path, settings, dataset="fashion-mnist")
         trains = [step for step in plan.steps if step.train]
         assert len(trains) == 3
@@ -229,8 +230,14 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
             assert args[args.index("--dataset") + 1] == "fashion-mnist"
             assert "--preset" not in args  # `lipvit train` picks fmnist-3x64
         with_epochs = [step for step in trains if "--epochs" in step.args]
-        assert len(with_epochs) == (0 if settings == Settings() else 3)
+        assert len(with_epochs) == (0 if settings == full else 3)
     assert Settings.fast_mode().preset == "digits-tiny"  # digits: as before
+    assert Settings.for_dataset("digits") == Settings()
+    attack = next(step for step in build_plan(tmp_path, full, dataset="fashion-mnist")
+                  .steps if step.key == "attack/lipschitz")
+    args = list(attack.args)  # real images: the literature's l2 radii, with APGD
+    assert args[args.index("--eps") + 1] == "0.1,0.25,0.5,1.0"
+    assert "apgd" in args[args.index("--attack") + 1].split(",")
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason=f"{REAL} absent "

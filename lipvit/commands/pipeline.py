@@ -76,6 +76,21 @@ class Settings:
     spectrum_pgd: tuple[int, int] = (50, 2)
 
     @classmethod
+    def for_dataset(cls, dataset: str = "digits") -> Settings:
+        """Full sizes for ``dataset``: the defaults on digits (8×8 images); on real
+        images (28×28 and up, ‖x‖ of tens in [0, 1] units) the ℓ2 radii the
+        literature reports: attacks (PGD-ℓ2 and APGD) at 0.1–1.0 and
+        certificates at 0.05–0.5."""
+        if dataset == "digits":
+            return cls()
+        return cls(
+            attacks="pgd-l2,apgd",
+            attack_eps="0.1,0.25,0.5,1.0",
+            certify_eps="0.05,0.1,0.25,0.5",
+            network_eps="0.05,0.1,0.25,0.5",
+        )
+
+    @classmethod
     def fast_mode(cls, dataset: str = "digits") -> Settings:
         """Smoke-test sizes; off digits, one epoch of `lipvit train`'s preset for
         the dataset (``fmnist-3x64`` for ``fashion-mnist``)."""
@@ -632,7 +647,7 @@ def pipeline(
 
     from lipvit.analysis.tightness import crown_available
 
-    settings = Settings.fast_mode(dataset) if fast else Settings()
+    settings = Settings.fast_mode(dataset) if fast else Settings.for_dataset(dataset)
     overrides = {
         k: v
         for k, v in (("preset", preset), ("epochs", epochs), ("msvp", msvp_lambda))
