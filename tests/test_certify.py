@@ -23,9 +23,10 @@ def trained(request, trained_ckpts):
     return load_checkpoint(trained_ckpts[request.param]).model.double()
 
 
-def _random_model(family: str, seed: int, qk_scale: float = 1.0) -> lipvit.ViT:
+def _random_model(family: str, seed: int, qk_scale: float = 1.0, **kw) -> lipvit.ViT:
     torch.manual_seed(seed)
-    model = lipvit.ViT(lipvit.preset("digits-tiny", family=family)).double().eval()
+    cfg = lipvit.preset("digits-tiny", family=family, **kw)
+    model = lipvit.ViT(cfg).double().eval()
     with torch.no_grad():
         for block in model.blocks:
             W = (
@@ -39,11 +40,16 @@ def _random_model(family: str, seed: int, qk_scale: float = 1.0) -> lipvit.ViT:
     return model
 
 
-@pytest.mark.parametrize("family", ["lipschitz", "standard"])
+# fmnist-3x64's lipschitz attention: projection radius 8, caps 1 (not LoFAST's 1, 0.5).
+FMNIST_ATTENTION = {"attn_radius": 8.0, "v_cap": 1.0, "o_cap": 1.0}
+
+
+@pytest.mark.parametrize(("family", "kw"), [("lipschitz", {}), ("standard", {}),
+                                            ("lipschitz", FMNIST_ATTENTION)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("method", ["lofast", "specformer"])
-def test_delta_out_bounds_pgd_on_whole_network(family, seed, method, digits):
-    model = _random_model(family, seed, qk_scale=1.0 + seed)
+def test_delta_out_bounds_pgd_on_whole_network(family, kw, seed, method, digits):
+    model = _random_model(family, seed, qk_scale=1.0 + seed, **kw)
     x = digits.x_test[seed * 4 : (seed + 1) * 4].double()
     bound = network_bound(model, x, method)
     for eps in (0.01, 0.1, 0.5):

@@ -171,6 +171,10 @@ def test_preset_is_49_patches_plus_the_class_token() -> None:
         assert (cfg.image_size, cfg.in_chans, cfg.patch_size) == (28, 1, 4)
         assert cfg.num_patches + 1 == 50
         assert (cfg.depth, cfg.embed_dim) == (3, 64)
+    # lipschitz: the attention's projection and caps leave the class token a
+    # usable norm (LoFAST's radius 1 and caps 0.5 underfit 50 tokens).
+    cfg = preset("fmnist-3x64", family="lipschitz")
+    assert cfg.attn_radius > 1 and cfg.v_cap * cfg.o_cap > 0.25
 
 
 def test_schedules_per_dataset() -> None:

@@ -349,6 +349,7 @@ def test_forward_is_the_model(family, seed):
     [
         ("lipschitz", {}),
         ("lipschitz", {"attn_project": "token"}),
+        ("lipschitz", {"attn_radius": 8.0, "v_cap": 1.0, "o_cap": 1.0}),  # fmnist-3x64
         ("lipschitz", {"num_heads": 1}),
         ("standard", {}),
         ("standard", {"depth": 1}),
