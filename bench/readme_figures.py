@@ -88,6 +88,23 @@ def report(out: Path) -> list[str]:
         for note in data.get("notes") or []:
             if note.startswith("degenerate"):
                 lines.append(f"  note: {note}")
+    for name in ("vanilla", "msvp", "lipschitz"):
+        attacked = _read(out / "attack" / f"{name}.json")
+        if attacked:
+            rows = [r for r in attacked["results"] if r["attack"] == "worst-case"]
+            worst = ", ".join(f"ε = {r['eps']:g}: {r['robust_accuracy']:.3g}"
+                              for r in rows)
+            clean = attacked["clean_accuracy"]
+            lines.append(f"attack {name} ({'+'.join(attacked['attacks'])}, "
+                         f"n = {attacked['n']}, clean {clean:.3g}) "
+                         f"robust accuracy, worst case: {worst}")
+    radius = _read(out / "attack" / "radius.json")
+    if radius:
+        summary = radius["summary"]
+        lines.append(f"attack radii of lipschitz ({'+'.join(radius['attacks'])}): "
+                     f"median {summary['median_radius']:.3g} over "
+                     f"{summary['n_radius']} points, "
+                     f"{summary['seconds_per_sample']:.3g} s/sample")
     for name in ("lipschitz", "msvp"):
         cert = _read(out / "certify" / f"{name}.json")
         if not cert:
@@ -98,11 +115,14 @@ def report(out: Path) -> list[str]:
             lines.append(f"  {r['method']:<12} ε = {r['eps']:<7g} certified "
                          f"{r['certified_accuracy']:.3g}  {r['seconds_per_sample']:.3g}"
                          f" s/sample  {'certificate' if r['exact'] else 'estimate'}")
-        radii = [s["radius"] for s in cert.get("samples", []) if s.get("radius")]
-        if radii:
-            radii.sort()
-            lines.append(f"  median certified radius of certified points "
-                         f"{radii[len(radii) // 2]:.3g}")
+        samples = cert.get("samples", [])
+        correct = [r for r in samples if r["label"] == r["prediction"]]
+        for method in dict.fromkeys(m for r in correct for m in r.get("radii", {})):
+            radii = sorted(r["radii"][method] for r in correct)
+            if radii:
+                lines.append(f"  {method}: median certified radius "
+                             f"{radii[len(radii) // 2]:.3g} over the {len(radii)} "
+                             f"correctly classified points")
     return lines
 
 
