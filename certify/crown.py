@@ -39,8 +39,24 @@ reviewed and tests against sampling and PGD:
   (the same numbers, computed without huge temporaries; tested equal).
 
 Bounds are then sound up to floating-point rounding in auto_LiRPA's float64
-arithmetic. Shape letters: ``B`` batch, ``C`` channels, ``S`` image side,
-``K`` classes.
+arithmetic.
+
+alpha-CROWN (``method="alpha-CROWN"``; Xu et al., ICLR 2021) is auto_LiRPA's
+``CROWN-Optimized`` mode: the lower slope ``α ∈ [0, 1]`` of every unstable
+ReLU, one per ReLU unit, margin and sample, is tuned by auto_LiRPA's own Adam
+loop (:data:`ALPHA_ITERATIONS` steps) to raise the margins' bounds; any
+``α ∈ [0, 1]`` gives a valid relaxation, so every step's bound is sound and
+auto_LiRPA keeps the best per margin. lipvit first runs plain CROWN with the
+safeguards above and then optimises only the final (margin) bound, with every
+intermediate bound fixed to CROWN's checked ones: the checks stay valid for the
+bound that is returned, the slopes start from CROWN's, and the result is
+never looser than CROWN's (lipvit keeps the larger of the two). Only ReLU has
+optimisable slopes in auto_LiRPA 0.3; the other operators, lipvit's
+``BoundProjectScale`` and ``BoundMatMulFast`` included, keep their fixed
+relaxations. (Optimising the intermediate bounds as well would cost a whole
+CROWN pass, with autograd, per step.)
+
+Shape letters: ``B`` batch, ``C`` channels, ``S`` image side, ``K`` classes.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import io
 import logging
 import math
 import warnings
@@ -65,10 +82,17 @@ from torch import Tensor, nn
 from lipvit.errors import UnsupportedModelError
 from lipvit.model import ViT
 
-METHODS = ("CROWN", "IBP")
-#: auto_LiRPA options: dense ("matrix") bound matrices; its default "patches"
-#: mode is meant for convolutions and fails on this graph.
-BOUND_OPTS = {"conv_mode": "matrix"}
+METHODS = ("CROWN", "IBP", "alpha-CROWN")
+#: auto_LiRPA options: dense ("matrix") bound matrices (its default "patches"
+#: mode is meant for convolutions and fails on this graph); one slope per ReLU
+#: unit for alpha-CROWN (its "sparse features" slopes only handle inputs of
+#: shape (B, n) or (B, C, H, W), not the tokens' (B, N, D)).
+BOUND_OPTS = {"conv_mode": "matrix", "sparse_features_alpha": False}
+#: alpha-CROWN: Adam steps on the ReLU slopes (auto_LiRPA's default). The step
+#: count is the cost: each is one backward pass of the margins (with autograd).
+ALPHA_ITERATIONS = 20
+#: alpha-CROWN: Adam's learning rate for the slopes (auto_LiRPA's default).
+ALPHA_LR = 0.5
 #: auto_LiRPA operator classes allowed on perturbed nodes (relaxations reviewed).
 REVIEWED_OPS = frozenset({
     "BoundInput", "BoundLinear", "BoundMatMul", "BoundAdd", "BoundSub", "BoundMul",
@@ -416,6 +440,7 @@ def bound_module(
     bound_upper: bool = True,
     chunk_size: int | None = 2,
     cache: dict[int, nn.Module] | None = None,
+    stop_when_positive: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Bounds of ``C · net(x')`` over ``‖x' − x‖_2 ≤ ε`` (per sample) by auto_LiRPA.
 
@@ -431,8 +456,10 @@ def bound_module(
         eps: radius ε ≥ 0.
         C: specification ``(B, M, K)``; bounds of ``C[b] net(x')[b]``. ``None``
             bounds the outputs themselves.
-        method: ``"CROWN"`` (backward bounds everywhere) or ``"IBP"``
-            (interval arithmetic; fast, much looser).
+        method: ``"CROWN"`` (backward bounds everywhere), ``"alpha-CROWN"``
+            (CROWN, then optimised ReLU slopes for the final bounds; see the
+            module docstring) or ``"IBP"`` (interval arithmetic; fast, much
+            looser).
         bound_upper: also compute upper bounds (else the second result is None).
         chunk_size: samples bounded together (None: all). auto_LiRPA's cost
             per sample grows with the batch on a CPU (cache), so small chunks
@@ -440,6 +467,11 @@ def bound_module(
         cache: auto_LiRPA's bounded copies of ``net`` by batch size, filled
             and reused (building one costs as much as bounding a sample):
             pass the same dict for every call on the same ``net``.
+        stop_when_positive: alpha-CROWN only: stop optimising once every lower
+            bound of a chunk is > 0 (rows of ``C`` that are all zero aside),
+            which is all a certificate needs; the bounds are then sound but
+            not fully optimised. The answer to "is every bound > 0?" is the
+            same as without it.
 
     Returns:
         ``(lb, ub)``, each ``(B, M)`` (or ``(B, K)``), detached: bounds sound up
@@ -465,7 +497,7 @@ def bound_module(
     cache = {} if cache is None else cache
     parts = [_bound_batch(lirpa, net, x[i:i + step], eps,
                           None if C is None else C[i:i + step], method, bound_upper,
-                          cache)
+                          cache, stop_when_positive)
              for i in range(0, x.shape[0], step)]
     lb = torch.cat([p[0] for p in parts])
     return lb, torch.cat([p[1] for p in parts]) if bound_upper else None
@@ -488,12 +520,77 @@ def _bounded(lirpa: Any, net: nn.Module, x: Tensor, log: list[str]) -> nn.Module
         raise UnsupportedModelError(f"auto_LiRPA cannot bound this model: {what}"
                                     ) from exc
     _check_reviewed(bounded)
+    for p in bounded.parameters():  # alpha-CROWN differentiates the slopes only
+        p.requires_grad_(False)
     return bounded
 
 
+def _fixed_bounds(bounded: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
+    """The bounds of every perturbed node but the final one, after a CROWN pass
+    (auto_LiRPA's ``intermediate_layer_bounds``: the nodes it must not recompute)."""
+    fixed = {}
+    for node in bounded.modules():
+        lower, upper = getattr(node, "lower", None), getattr(node, "upper", None)
+        if (node is not bounded and getattr(node, "perturbed", False)
+                and node.name != bounded.final_name
+                and isinstance(lower, Tensor) and isinstance(upper, Tensor)):
+            fixed[node.name] = (lower.detach(), upper.detach())
+    return fixed
+
+
+def _never(bounds: Tensor) -> bool:
+    """auto_LiRPA's default stop criterion: optimise every step."""
+    return False
+
+
+def _optimised_bound(bounded: nn.Module, inputs: tuple, C: Tensor | None,
+                     fixed: dict[str, tuple[Tensor, Tensor]], lower: bool,
+                     stop: Any) -> Tensor:
+    """auto_LiRPA's ``CROWN-Optimized`` lower (or upper) bound with the bounds
+    ``fixed`` of every other node, its ReLU slopes starting from CROWN's; the
+    best over its steps, per entry (every step's bound is sound)."""
+    bounded.set_bound_opts({"optimize_bound_args": {
+        "iteration": ALPHA_ITERATIONS, "lr_alpha": ALPHA_LR,
+        "enable_alpha_crown": True, "enable_beta_crown": False,
+        # Slopes start from the CROWN pass just below, not from a new full one.
+        "init_alpha": False, "stop_criterion_func": stop}})
+    # The final node's CROWN pass alone (every other bound is fixed): its ReLU
+    # slopes become the starting point, so step 0 gives CROWN's bound.
+    bounded.init_slope(inputs, c=C, bound_lower=lower, bound_upper=not lower,
+                       intermediate_layer_bounds=fixed)
+    # auto_LiRPA prints when it stops early; its loop needs autograd.
+    with torch.enable_grad(), contextlib.redirect_stdout(io.StringIO()):
+        lb, ub = bounded.compute_bounds(
+            x=inputs, C=C, method="CROWN-Optimized", bound_lower=lower,
+            bound_upper=not lower, intermediate_layer_bounds=fixed)
+    return (lb if lower else ub).detach()
+
+
+def _optimise_slopes(lirpa: Any, bounded: nn.Module, x: Tensor, eps: float,
+                     C: Tensor | None, lb: Tensor, ub: Tensor | None,
+                     stop_when_positive: bool) -> tuple[Tensor, Tensor | None]:
+    """alpha-CROWN on a batch that CROWN has just bounded (``lb``, ``ub``) with
+    checked intermediate bounds, which stay fixed: once for the lower and once
+    for the upper bounds. Returns the tighter of CROWN's and alpha-CROWN's
+    bounds, entry by entry (both are sound)."""
+    fixed = _fixed_bounds(bounded)
+    inputs = (lirpa.BoundedTensor(x, lirpa.PerturbationLpNorm(norm=2, eps=eps)),)
+    stop = _never
+    if stop_when_positive and C is not None:
+        trivial = (C == 0).all(dim=2)  # (B, M): the margin y − y
+
+        def stop(bounds: Tensor) -> Tensor:  # (B, 1), as auto_LiRPA's losses
+            return ((bounds > 0) | trivial).all(dim=1, keepdim=True)
+    lb = torch.maximum(lb, _optimised_bound(bounded, inputs, C, fixed, True, stop))
+    if ub is not None:
+        ub = torch.minimum(ub, _optimised_bound(bounded, inputs, C, fixed, False,
+                                                _never))
+    return lb, ub
+
+
 def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | None,
-                 method: str, bound_upper: bool, cache: dict[int, nn.Module]
-                 ) -> tuple[Tensor, Tensor | None]:
+                 method: str, bound_upper: bool, cache: dict[int, nn.Module],
+                 stop_when_positive: bool = False) -> tuple[Tensor, Tensor | None]:
     """:func:`bound_module` on one batch (arguments already validated)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_default_dtype(x.dtype))
@@ -508,14 +605,20 @@ def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | 
         bounded = cache[x.shape[0]]
         try:
             lb, ub = bounded.compute_bounds(
-                x=(lirpa.BoundedTensor(x, ptb),), C=C, method=method,
+                x=(lirpa.BoundedTensor(x, ptb),), C=C,
+                method="CROWN" if method == "alpha-CROWN" else method,
                 bound_upper=bound_upper,
                 reference_bounds=_softmax_reference_bounds(bounded, x))
         except AssertionError:
             # auto_LiRPA asserts positive denominators in interval arithmetic
             # (a softmax sum underflowing to 0): bound the batch in halves.
-            return _split(lirpa, net, x, eps, C, method, bound_upper, cache)
+            return _split(lirpa, net, x, eps, C, method, bound_upper, cache,
+                          stop_when_positive)
         bad = _invalid_samples(bounded, x.shape[0]).to(x.device)
+        if method == "alpha-CROWN" and not bool(bad.any()):
+            # The intermediate bounds just checked stay fixed while it runs.
+            lb, ub = _optimise_slopes(lirpa, bounded, x, eps, C, lb, ub,
+                                      stop_when_positive)
     lb = lb.detach()
     ub = None if ub is None else ub.detach()
     if bool(bad.any()) and not bool(bad.all()):
@@ -523,7 +626,7 @@ def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | 
         good = ~bad
         sub_C = None if C is None else C[good]
         sub_lb, sub_ub = _bound_batch(lirpa, net, x[good], eps, sub_C, method,
-                                      bound_upper, cache)
+                                      bound_upper, cache, stop_when_positive)
         lb, ub = lb.clone(), None if ub is None else ub.clone()
         lb[good] = sub_lb
         if ub is not None:
@@ -535,8 +638,8 @@ def _bound_batch(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | 
 
 
 def _split(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | None,
-           method: str, bound_upper: bool, cache: dict[int, nn.Module]
-           ) -> tuple[Tensor, Tensor | None]:
+           method: str, bound_upper: bool, cache: dict[int, nn.Module],
+           stop_when_positive: bool = False) -> tuple[Tensor, Tensor | None]:
     """:func:`_bound_batch` on two halves of the batch; vacuous for one sample."""
     B = x.shape[0]
     if B == 1:
@@ -546,7 +649,8 @@ def _split(lirpa: Any, net: nn.Module, x: Tensor, eps: float, C: Tensor | None,
         return lb, -lb if bound_upper else None
     h = B // 2
     parts = [_bound_batch(lirpa, net, x[i:j], eps, None if C is None else C[i:j],
-                          method, bound_upper, cache) for i, j in ((0, h), (h, B))]
+                          method, bound_upper, cache, stop_when_positive)
+             for i, j in ((0, h), (h, B))]
     lb = torch.cat([p[0] for p in parts])
     return lb, torch.cat([p[1] for p in parts]) if bound_upper else None
 
@@ -602,6 +706,7 @@ def crown_margin_bounds(
     dtype: torch.dtype = torch.float64,
     chunk_size: int | None = 2,
     prepared: CrownModel | None = None,
+    stop_when_positive: bool = False,
 ) -> Tensor:
     """Lower bounds of ``logit_y − logit_j`` over the ℓ2 ball of radius ε around ``x``.
 
@@ -611,12 +716,15 @@ def crown_margin_bounds(
         x: images in ``[0, 1]``, ``(B, C, S, S)``.
         y: labels ``(B,)``.
         eps: ℓ2 radius ε ≥ 0 in image space (the ball is not clipped to the box).
-        method: ``"CROWN"`` or ``"IBP"`` (see :func:`bound_module`).
+        method: ``"CROWN"``, ``"alpha-CROWN"`` or ``"IBP"`` (see
+            :func:`bound_module`).
         device: where auto_LiRPA runs.
         dtype: arithmetic of the model copy and the bounds (float64 by default).
         chunk_size: samples bounded together (see :func:`bound_module`).
         prepared: :func:`crown_model` of ``model``, reused across calls
             (``device`` and ``dtype`` are then its own).
+        stop_when_positive: alpha-CROWN stops optimising a chunk once all
+            its margin bounds are > 0 (see :func:`bound_module`).
 
     Returns:
         ``(B, K)`` on ``x``'s device: entry ``[b, j]`` is a lower bound (sound
@@ -628,7 +736,8 @@ def crown_margin_bounds(
     yd = y.to(prepared.device)
     C = margin_spec(yd, model.config.num_classes, prepared.dtype)
     lb, _ = bound_module(prepared.net, xd, eps, C=C, method=method, bound_upper=False,
-                         chunk_size=chunk_size, cache=prepared.cache)
+                         chunk_size=chunk_size, cache=prepared.cache,
+                         stop_when_positive=stop_when_positive)
     lb = lb.clone()
     lb[torch.arange(x.shape[0], device=lb.device), yd] = 0.0  # y − y
     return lb.to(x.device)
@@ -667,10 +776,12 @@ def crown_certify(
     """``(B,)`` bool: classified ``y`` at ``x`` and every margin lower bound > 0.
 
     A ``True`` sample is classified ``y`` everywhere in the ℓ2 ball of radius
-    ε (up to floating-point rounding). Arguments as in :func:`crown_margin_bounds`.
+    ε (up to floating-point rounding). Arguments as in :func:`crown_margin_bounds`
+    (alpha-CROWN stops optimising once every margin bound is positive).
     """
     lb = crown_margin_bounds(model, x, y, eps, method=method, device=device,
-                             dtype=dtype, chunk_size=chunk_size, prepared=prepared)
+                             dtype=dtype, chunk_size=chunk_size, prepared=prepared,
+                             stop_when_positive=True)
     y_dev = y.to(lb.device)
     others = torch.ones_like(lb, dtype=torch.bool)
     others[torch.arange(lb.shape[0], device=lb.device), y_dev] = False

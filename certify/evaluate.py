@@ -4,7 +4,8 @@
 Methods: ``lofast`` (exact ζ and ‖M_h‖, every number an upper bound),
 ``lofast-fast`` (power-iteration estimates: **not** a certificate),
 ``specformer`` (SpecFormer Thm 4.2 per attention layer), ``crown``
-(auto_LiRPA CROWN on the whole network), ``cascade`` (``lofast`` first,
+(auto_LiRPA CROWN on the whole network), ``alpha-crown`` (CROWN, then
+auto_LiRPA's optimised ReLU slopes for the margins), ``cascade`` (``lofast`` first,
 CROWN only on the correctly classified samples ``lofast`` left uncertified),
 ``taylor`` (first-order-exact margins with certified remainders,
 :mod:`lipvit.certify.taylor`, docs/taylor.md) and ``cascade-taylor`` (``taylor``
@@ -35,10 +36,12 @@ from torch import Tensor
 
 from lipvit.model import ViT
 
-ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "cascade",
-                                "cascade-taylor")
+ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "alpha-crown",
+                                "cascade", "cascade-taylor")
 CASCADES = {"cascade": "lofast", "cascade-taylor": "taylor"}
 """Each cascade: its first method; CROWN runs on what that left uncertified."""
+LIRPA_METHODS = {"crown": "CROWN", "alpha-crown": "alpha-CROWN"}
+"""The auto_LiRPA methods: each name's bound method in :mod:`lipvit.certify.crown`."""
 QUANTITIES = {
     "taylor": {
         "first_order": "exact: ||c_j^T J|| eps, autograd gradients in float64",
@@ -221,7 +224,7 @@ def certify_samples(
         if m in methods or (m == "lofast" and "cascade" in methods)
     ]
     use_taylor = "taylor" in methods or "cascade-taylor" in methods
-    crown_runs = len(eps_list) * (("crown" in methods)
+    crown_runs = len(eps_list) * (sum(m in methods for m in LIRPA_METHODS)
                                   + sum(c in methods for c in CASCADES))
     # of a sample, per unit of work
     share = 1.0 / (len(bound_methods) + use_taylor + crown_runs)
@@ -266,11 +269,13 @@ def certify_samples(
                 )
             advance(sl.stop - sl.start)
         for eps in eps_list:
-            if "crown" in methods:
+            for name, lirpa_method in LIRPA_METHODS.items():
+                if name not in methods:
+                    continue
                 t0 = time.perf_counter()
-                ok = _crown_each(model, crown, xb, yb, eps, advance)
-                add(f"crown@{eps}", time.perf_counter() - t0)
-                certified.setdefault(f"crown@{eps}", []).append(ok)
+                ok = _crown_each(model, crown, xb, yb, eps, advance, lirpa_method)
+                add(f"{name}@{eps}", time.perf_counter() - t0)
+                certified.setdefault(f"{name}@{eps}", []).append(ok)
             for cascade, first in CASCADES.items():
                 if cascade not in methods:
                     continue
@@ -317,15 +322,17 @@ def certify_samples(
 
 
 def _crown_each(model: ViT, crown, x: Tensor, y: Tensor, eps: float,
-                advance) -> Tensor:
-    """CROWN certificates one sample at a time (CROWN takes minutes per sample on
-    a CPU: progress advances per sample), all with the one bounded model of
-    ``crown`` (a :class:`lipvit.certify.crown.CrownModel`)."""
+                advance, method: str = "CROWN") -> Tensor:
+    """CROWN (or alpha-CROWN: ``method``) certificates one sample at a time
+    (CROWN takes minutes per sample on a CPU: progress advances per sample),
+    all with the one bounded model of ``crown`` (a
+    :class:`lipvit.certify.crown.CrownModel`)."""
     from lipvit.certify.crown import crown_certify
 
     out = []
     for i in range(x.shape[0]):  # on the chosen device
-        out.append(crown_certify(model, x[i:i + 1], y[i:i + 1], eps, prepared=crown))
+        out.append(crown_certify(model, x[i:i + 1], y[i:i + 1], eps, method=method,
+                                 prepared=crown))
         advance(1)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
 

@@ -194,8 +194,9 @@ def certify(
     `lofast` is sound (exact ζ and ‖M_h(X)‖); `lofast-fast` uses power-iteration
     estimates and is labelled exact=false; `taylor` bounds every wrong-class
     margin to first order exactly plus certified remainders (docs/taylor.md);
-    `crown` needs auto_LiRPA; `cascade` runs CROWN only where LoFAST did not
-    certify, `cascade-taylor` only where taylor did not.
+    `crown` needs auto_LiRPA; `alpha-crown` is CROWN with auto_LiRPA's
+    optimised ReLU slopes (never looser, a little slower); `cascade` runs CROWN only
+    where LoFAST did not certify, `cascade-taylor` only where taylor did not.
 
     `torchrun --nproc_per_node K -m lipvit certify ... --samples N` shards the
     samples over K ranks (whole batches each, gloo) and rank 0 writes the merged
@@ -208,7 +209,7 @@ def certify(
     eps_list = C.parse_floats(eps_text, "eps")
     methods = C.parse_names(method_text, ALL_METHODS, "method") if method_text else []
     C.check_writable([json_path, csv_path], force)
-    if {"crown", "cascade", "cascade-taylor"} & set(methods):
+    if {"crown", "alpha-crown", "cascade", "cascade-taylor"} & set(methods):
         reexec_with_crown_allocator()  # glibc.malloc.mmap_max=0, once
     dev = rank_device(C.resolve_device(device), ranks)
     loaded = C.load_checkpoint(ckpt, dev)

@@ -1,0 +1,240 @@
+"""Tests of alpha-CROWN (``method="alpha-CROWN"``, ``--method alpha-crown``).
+
+auto_LiRPA's ``CROWN-Optimized`` on lipvit's checked CROWN graph, in float64 on
+tiny lipschitz ViTs trained with three seeds: its margin bounds lie below the
+margins at sampled points of the ℓ2 ball and at PGD points, are never below
+CROWN's (and above them somewhere), its certified points survive PGD, and
+lipvit's own operators (``BoundProjectScale``, ``BoundMatMulFast``) take part
+in every optimisation step. Skipped without auto_LiRPA; a few seconds each.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from lipvit.certify import crown
+from lipvit.certify.evaluate import certify_samples
+
+import lipvit
+from lipvit.checkpoint import save_checkpoint
+from lipvit.cli import main
+from lipvit.config import ViTConfig
+from lipvit.errors import UnsupportedModelError
+from tests.test_crown import (
+    DT,
+    TINY,
+    _ball_samples,
+    _pgd_min,
+    _torchattacks_pgd,
+    needs_lirpa,
+)
+
+pytestmark = [pytest.mark.crown, needs_lirpa]
+SEEDS = (0, 1, 2)
+TOL = 1e-9  # float64 rounding in auto_LiRPA's sums
+
+
+@pytest.fixture(scope="module", params=SEEDS)
+def trained(request, digits):
+    """A tiny lipschitz ViT (8×8 digits, 4×4 patches, D = 8, 2 blocks) trained
+    briefly with seed ``request.param``, and 6 test points."""
+    seed = request.param
+    torch.manual_seed(seed)
+    model = lipvit.ViT(ViTConfig(**TINY, mean=digits.mean, std=digits.std))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(300):
+        i = torch.randint(0, digits.x_train.shape[0], (128,), generator=g)
+        loss = F.cross_entropy(30 * model(digits.x_train[i]), digits.y_train[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().double()
+    idx = torch.randperm(digits.x_test.shape[0], generator=g)[:6]
+    return model, digits.x_test[idx].to(DT), digits.y_test[idx]
+
+
+def _margins(model, points, y):
+    """``logit_y − logit_j`` ``(n, B, K)`` at ``points`` ``(n, B, C, S, S)``."""
+    n, B = points.shape[:2]
+    with torch.no_grad():
+        out = model(points.flatten(0, 1)).reshape(n, B, -1)
+    return out.gather(2, y[None, :, None].expand(n, B, 1)) - out
+
+
+@pytest.fixture
+def raw_bounds(monkeypatch):
+    """Records auto_LiRPA's own optimised bounds (before lipvit keeps the
+    better of them and CROWN's)."""
+    seen = []
+    inner = crown._optimised_bound
+
+    def spy(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(crown, "_optimised_bound", spy)
+    return seen
+
+
+@pytest.mark.parametrize("eps", [0.02, 0.05])
+def test_margin_bounds_are_sound_and_at_least_crowns(trained, eps, raw_bounds):
+    model, x, y = trained
+    lc = crown.crown_margin_bounds(model, x, y, eps, chunk_size=1)
+    la = crown.crown_margin_bounds(model, x, y, eps, method="alpha-CROWN",
+                                   chunk_size=1)
+    assert la.shape == (6, 10) and not torch.any(torch.isnan(la))
+    # Where CROWN's intermediate bounds were unusable so are alpha-CROWN's
+    # (it keeps them); elsewhere it starts from CROWN's slopes: never below.
+    assert torch.equal(torch.isinf(la), torch.isinf(lc))
+    finite = torch.isfinite(lc)
+    assert finite.any()
+    assert torch.all(la[finite] >= lc[finite])
+    assert (la - lc)[finite].max() > 1e-6  # the optimised slopes tighten some
+    # auto_LiRPA's optimised bound itself, one per finite sample.
+    assert len(raw_bounds) == int(finite.all(1).sum())
+    rows = torch.nonzero(finite.all(1)).flatten()
+    raw = torch.cat(raw_bounds)
+    assert torch.all(raw >= lc[rows] - TOL), (raw - lc[rows]).min()
+    # Sound: below the margin at sampled points (inside and on the sphere) ...
+    points = _ball_samples(x, eps, 200, seed=7)
+    assert torch.all(_margins(model, points, y) >= la - TOL)
+    # ... and at the PGD point of every margin.
+    for j in range(10):
+        def margin_j(z, j=j):
+            out = model(z)
+            return out.gather(1, y[:, None]).squeeze(1) - out[:, j]
+        worst = _pgd_min(margin_j, x, eps, steps=40, restarts=1)
+        assert torch.all(worst >= la[:, j] - TOL), (worst - la[:, j]).min()
+
+
+def test_logit_bounds_are_sound_and_at_least_crowns(trained):
+    model, x, _ = trained
+    eps = 0.02
+    lo, up = crown.crown_logit_bounds(model, x[:2], eps)
+    la, ua = crown.crown_logit_bounds(model, x[:2], eps, method="alpha-CROWN")
+    assert torch.all(la >= lo) and torch.all(ua <= up)
+    points = _ball_samples(x[:2], eps, 200, seed=8)
+    with torch.no_grad():
+        out = model(points.flatten(0, 1)).reshape(200, 2, 10)
+    assert torch.all(out >= la - TOL) and torch.all(out <= ua + TOL)
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.02])
+def test_certified_points_survive_pgd(trained, eps):
+    model, x, y = trained
+    x, y = x[:4], y[:4]
+    with torch.no_grad():
+        pred = model(x).argmax(1)
+    y_wrong = y.clone()
+    y_wrong[:1] = (pred[:1] + 1) % 10  # misclassified by construction
+    cert = crown.crown_certify(model, x, y_wrong, eps, method="alpha-CROWN")
+    assert not torch.any(cert & (pred != y_wrong))
+    # Stopping once every margin bound is positive decides as the full run does.
+    full = crown.crown_margin_bounds(model, x, y_wrong, eps, method="alpha-CROWN")
+    others = torch.ones_like(full, dtype=torch.bool)
+    others[torch.arange(4), y_wrong] = False
+    assert torch.equal(cert, torch.where(others, full > 0, True).all(1)
+                       & (pred == y_wrong))
+    if eps == 0.01:  # not vacuous: every model certifies a point here
+        assert cert.any()
+    if not cert.any():
+        return
+    xs, ys = x[cert], y_wrong[cert]
+    advs = _torchattacks_pgd(model, xs, ys, eps)
+    with torch.no_grad():
+        for adv in advs:
+            assert torch.all(model(adv).argmax(1) == ys)
+    for j in range(10):
+        def margin_j(z, j=j):
+            out = model(z)
+            m = out.gather(1, ys[:, None]).squeeze(1) - out[:, j]
+            return torch.where(ys == j, torch.full_like(m, 1e9), m)  # j = y: none
+        assert torch.all(_pgd_min(margin_j, xs, eps, steps=40, restarts=1) > 0)
+
+
+def test_lipvit_operators_take_part_in_every_step(trained, monkeypatch):
+    # Only the ReLUs have slopes to optimise; lipvit's own operators keep their
+    # relaxations and are used in the optimisation's backward passes (autograd
+    # on), not skipped.
+    model, x, y = trained
+    prepared = crown.crown_model(model)
+    crown.crown_margin_bounds(model, x[:1], y[:1], 0.02, prepared=prepared)
+    bounded = prepared.cache[1]
+    perturbed = {type(n).__name__ for n in bounded.modules()
+                 if getattr(n, "perturbed", False)}
+    assert {"BoundProjectScale", "BoundMatMulFast", "BoundRelu"} <= perturbed
+    assert {type(n).__name__ for n in bounded.optimizable_activations} == {"BoundRelu"}
+    calls = {"relax": 0, "matmul": 0}
+    scale_cls = crown._bound_project_scale_class()
+    matmul_cls = crown._fast_matmul_class()
+    relax, backward = scale_cls.bound_relax, matmul_cls.bound_backward_with_weight
+
+    def counted_relax(self, *args):
+        calls["relax"] += torch.is_grad_enabled()
+        return relax(self, *args)
+
+    def counted_backward(self, *args):
+        calls["matmul"] += torch.is_grad_enabled()
+        return backward(self, *args)
+
+    monkeypatch.setattr(scale_cls, "bound_relax", counted_relax)
+    monkeypatch.setattr(matmul_cls, "bound_backward_with_weight", counted_backward)
+    monkeypatch.setattr(crown, "ALPHA_ITERATIONS", 6)
+    crown.crown_margin_bounds(model, x[:1], y[:1], 0.02, method="alpha-CROWN",
+                              prepared=prepared)
+    # Every step but the last (which runs without autograd) goes through them.
+    assert calls["relax"] >= 5 and calls["matmul"] >= 5, calls
+
+
+def test_crown_is_unchanged_after_alpha_crown_on_the_same_model(trained):
+    model, x, y = trained
+    prepared = crown.crown_model(model)
+    xi, yi = x[:1], y[:1]
+    before = crown.crown_margin_bounds(model, xi, yi, 0.02, prepared=prepared)
+    a1 = crown.crown_margin_bounds(model, xi, yi, 0.02, method="alpha-CROWN",
+                                   prepared=prepared)
+    after = crown.crown_margin_bounds(model, xi, yi, 0.02, prepared=prepared)
+    a2 = crown.crown_margin_bounds(model, xi, yi, 0.02, method="alpha-CROWN",
+                                   prepared=prepared)
+    assert torch.equal(before, after) and torch.equal(a1, a2)
+    # ε = 0: nothing to optimise; both bounds are the margins themselves.
+    zero = crown.crown_margin_bounds(model, xi, yi, 0.0, method="alpha-CROWN",
+                                     prepared=prepared)
+    assert torch.allclose(zero, _margins(model, xi[None], yi)[0], rtol=0, atol=1e-9)
+
+
+def test_certify_samples_and_cli(trained, tmp_path):
+    model, x, y = trained
+    report = certify_samples(model, x[:3], y[:3], ["crown", "alpha-crown"], [0.01])
+    records = {r["method"]: r for r in report.to_records()}
+    assert set(records) == {"crown", "alpha-crown"} and records["alpha-crown"]["exact"]
+    assert torch.all(report.certified["alpha-crown@0.01"]
+                     >= report.certified["crown@0.01"])
+    path = save_checkpoint(tmp_path / "lip.pt", copy.deepcopy(model), dataset="digits")
+    result = CliRunner().invoke(main, ["certify", "--ckpt", str(path), "--eps", "0.01",
+                                       "--method", "alpha-crown", "--n", "2",
+                                       "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "alpha-crown" in result.output
+
+
+def test_standard_family_is_refused_in_one_line(tmp_path):
+    model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
+    with pytest.raises(UnsupportedModelError, match="standard family"):
+        crown.crown_margin_bounds(model, torch.rand(1, 1, 8, 8), torch.tensor([0]),
+                                  0.01, method="alpha-CROWN")
+    path = save_checkpoint(tmp_path / "std.pt", model, dataset="digits")
+    result = CliRunner().invoke(main, ["certify", "--ckpt", str(path), "--eps", "0.01",
+                                       "--method", "alpha-crown", "--n", "2",
+                                       "--device", "cpu"])
+    # As for crown: one line, after the progress bar (CliRunner mixes stderr in).
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    errors = [ln for ln in result.output.splitlines() if "Error" in ln]
+    assert errors == [result.output.strip().splitlines()[-1]], result.output
+    assert errors[0].startswith("Error: crown cannot bound the standard family")
