@@ -29,7 +29,7 @@ from tests.test_crown import (
     TINY,
     _ball_samples,
     _pgd_min,
-    _torchattacks_pgd,
+    assert_survive_attacks,
     needs_lirpa,
 )
 
@@ -145,17 +145,7 @@ def test_certified_points_survive_pgd(trained, eps):
         assert cert.any()
     if not cert.any():
         return
-    xs, ys = x[cert], y_wrong[cert]
-    advs = _torchattacks_pgd(model, xs, ys, eps)
-    with torch.no_grad():
-        for adv in advs:
-            assert torch.all(model(adv).argmax(1) == ys)
-    for j in range(10):
-        def margin_j(z, j=j):
-            out = model(z)
-            m = out.gather(1, ys[:, None]).squeeze(1) - out[:, j]
-            return torch.where(ys == j, torch.full_like(m, 1e9), m)  # j = y: none
-        assert torch.all(_pgd_min(margin_j, xs, eps, steps=40, restarts=1) > 0)
+    assert_survive_attacks(model, x[cert], y_wrong[cert], eps, steps=40, restarts=1)
 
 
 def test_lipvit_operators_take_part_in_every_step(trained, monkeypatch):

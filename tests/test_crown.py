@@ -444,6 +444,22 @@ def test_one_bounded_model_reused_over_samples_and_eps(trained):
     assert list(prepared.cache) == [1]
 
 
+def assert_survive_attacks(model, xs, ys, eps, steps: int, restarts: int) -> None:
+    """Certified points ``xs`` (labels ``ys``) keep their label under torchattacks'
+    PGD-ℓ2 and under PGD minimising each margin ``logit_y − logit_j`` at ``eps``."""
+    advs = _torchattacks_pgd(model, xs, ys, eps)
+    with torch.no_grad():
+        for adv in advs:
+            assert torch.all(model(adv).argmax(1) == ys)
+    for j in range(10):
+        def margin_j(z, j=j):
+            out = model(z)
+            m = out.gather(1, ys[:, None]).squeeze(1) - out[:, j]
+            return torch.where(ys == j, torch.full_like(m, 1e9), m)  # j = y: no margin
+        worst = _pgd_min(margin_j, xs, eps, steps=steps, restarts=restarts)
+        assert torch.all(worst > 0)
+
+
 @pytest.mark.crown
 @needs_lirpa
 def test_certified_points_survive_attacks(trained):
@@ -456,17 +472,7 @@ def test_certified_points_survive_attacks(trained):
         pred = model(x).argmax(1)
     assert not torch.any(cert & (pred != y_wrong))
     assert cert.sum() >= 3, "the trained tiny model should certify a few points"
-    xs, ys = x[cert], y_wrong[cert]
-    advs = _torchattacks_pgd(model, xs, ys, eps)
-    with torch.no_grad():
-        for adv in advs:
-            assert torch.all(model(adv).argmax(1) == ys)
-    for j in range(10):
-        def margin_j(z, j=j):
-            out = model(z)
-            m = out.gather(1, ys[:, None]).squeeze(1) - out[:, j]
-            return torch.where(ys == j, torch.full_like(m, 1e9), m)  # j = y: no margin
-        assert torch.all(_pgd_min(margin_j, xs, eps, steps=60, restarts=2) > 0)
+    assert_survive_attacks(model, x[cert], y_wrong[cert], eps, steps=60, restarts=2)
     # The other methods never certify a misclassified point either.
     for method in ("IBP",):
         other = crown.crown_certify(model, x, y_wrong, eps, method=method)
