@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--eps", type=float, default=0.01)
     parser.add_argument("--tol", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--max-symbols", type=int, default=1024,
+    parser.add_argument("--max-symbols", type=int, default=None,
                         help="ReLU symbols per sample and block (taylor_bound)")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -139,8 +139,8 @@ def _batches(n: int, batch_size: int):
         yield slice(start, min(start + batch_size, n))
 
 
-def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, add, certified,
-            radii) -> None:
+def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, max_symbols, add,
+            certified, radii) -> None:
     """``taylor`` on one batch, a memory-sized part at a time
     (:func:`lipvit.certify.tangents.taylor_batch`); appends one entry per ε
     (and radius) for the whole batch, as the other methods do."""
@@ -148,7 +148,8 @@ def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, add, certifie
     rs = []
     for part in _batches(len(x), taylor_batch(model, max_memory)):
         t0 = time.perf_counter()
-        tb = taylor_bound(model, x[part], y[part], max_memory=max_memory)
+        tb = taylor_bound(model, x[part], y[part], max_memory=max_memory,
+                          max_symbols=max_symbols)
         add("taylor", time.perf_counter() - t0)
         decided = []
         for eps in eps_list:
@@ -177,6 +178,7 @@ def certify_samples(
     batch_size: int = 64,
     progress=None,
     max_memory: int | None = None,
+    max_symbols: int | None = None,
 ) -> CertifyReport:
     """Certify images ``x`` ``(n, C, S, S)`` in [0, 1] with labels ``y`` ``(n,)``.
 
@@ -195,6 +197,8 @@ def certify_samples(
         max_memory: bytes ``taylor`` may hold (its tangents, and its samples
             at a time: :func:`lipvit.certify.tangents.taylor_batch`); default
             :func:`lipvit.certify.tangents.default_max_memory`.
+        max_symbols: ``taylor``'s ReLU symbols per sample and block (lipschitz
+            family); default :func:`lipvit.certify.symbols.default_max_symbols`.
 
     Returns:
         A :class:`CertifyReport`; ``seconds_per_sample`` of a (method, ε) row is
@@ -248,8 +252,8 @@ def certify_samples(
         logits_all.append(logits)
         margins_all.append(m)
         if use_taylor:
-            _taylor(model, xb, yb, eps_list, radius, radius_tol, max_memory, add,
-                    certified, radii)
+            _taylor(model, xb, yb, eps_list, radius, radius_tol, max_memory,
+                    max_symbols, add, certified, radii)
             advance(sl.stop - sl.start)
         for method in bound_methods:
             t0 = time.perf_counter()

@@ -123,9 +123,27 @@ def flip_range(z: Tensor, delta: Tensor) -> Tensor:
     return (delta * (1 + 1e-12) - z.abs()).clamp_min(0)
 
 
+SYMBOLS_PER_PIXEL = 4
+"""Default symbols per block and image dimension (:func:`default_max_symbols`)."""
+
+
+def default_max_symbols(n: int) -> int:
+    """Symbols per sample and block by default: ``max(1024, 4n)``, ``n`` the image
+    dimension.
+
+    A symbol costs one tangent through the later blocks, an image direction one
+    through the whole network: this keeps each block's symbols within four times
+    the image tangents' work, whatever the model's width. Memory does not grow
+    with it (symbols are pushed in :func:`push_size` chunks and summed). On the
+    Fashion-MNIST lipschitz model (``n = 784``, 3136 symbols) it reaches the
+    radii of carrying every flippable unit (docs/taylor.md §5).
+    """
+    return max(1024, SYMBOLS_PER_PIXEL * n)
+
+
 def propagate(
     model: ViT, lins: list[Linearized], k: int, rho: Tensor, carried: Carried,
-    max_symbols: int = 1024, chunk: int | None = None,
+    max_symbols: int, chunk: int | None = None,
 ) -> Tensor:
     """Add block ``k``'s symbols to ``carried``, in place; bound the rest.
 

@@ -91,7 +91,13 @@ from lipvit.certify.sites import (
     site_gradients,
     subblock_norms,
 )
-from lipvit.certify.symbols import Carried, flip_range, propagate, propagate_radial
+from lipvit.certify.symbols import (
+    Carried,
+    default_max_symbols,
+    flip_range,
+    propagate,
+    propagate_radial,
+)
 from torch import Tensor
 
 from lipvit.layers import LayerProject
@@ -587,14 +593,16 @@ class TaylorBound:
 
 
 def taylor_bound(
-    model: ViT, x: Tensor, y: Tensor, max_symbols: int = 1024,
+    model: ViT, x: Tensor, y: Tensor, max_symbols: int | None = None,
     max_memory: int | None = None,
 ) -> TaylorBound:
     """The taylor certificate of ``model`` at images ``x`` ``(B, C, S, S)``, labels y.
 
     Works on a float64 copy of the model when it is not float64 already.
     ``max_symbols``: ReLU symbols per sample and block of a lipschitz model
-    (:func:`lipvit.certify.symbols.propagate`; more is tighter and slower).
+    (:func:`lipvit.certify.symbols.propagate`; more is tighter and slower;
+    default :func:`~lipvit.certify.symbols.default_max_symbols` of the image
+    dimension).
     ``max_memory``: bytes of tangents held at once by the Jacobian norms
     (:func:`lipvit.certify.tangents.plan`; default
     :func:`~lipvit.certify.tangents.default_max_memory`).
@@ -603,6 +611,10 @@ def taylor_bound(
         UnsupportedModelError: a layer the method cannot bound (one-line reason).
     """
     check_supported(model)
+    if max_symbols is None:
+        max_symbols = default_max_symbols(x[0].numel())
+    elif max_symbols < 0:
+        raise ValueError(f"max_symbols must be >= 0, got {max_symbols}")
     if model.pos_embed.dtype != torch.float64:
         model = copy.deepcopy(model).double()
     model.eval()

@@ -10,7 +10,13 @@ from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.certification import bisect_radius
 from lipvit.certify.linearized import Linearized
 from lipvit.certify.sites import forward
-from lipvit.certify.symbols import Carried, flip_range, propagate, propagate_radial
+from lipvit.certify.symbols import (
+    Carried,
+    default_max_symbols,
+    flip_range,
+    propagate,
+    propagate_radial,
+)
 from lipvit.certify.taylor import taylor_bound
 
 from lipvit.model import ViT
@@ -252,3 +258,11 @@ def test_radial_symbols_match_jvps(site, project):
     for kk in range(len(clean.act_in)):
         assert torch.allclose(sym.up[kk], up[kk], rtol=1e-10, atol=1e-14)
     assert bool(sym.up[0].abs().sum() > 0)
+
+
+def test_default_max_symbols_follows_the_image_dimension():
+    """Four symbols per image dimension, never fewer than 1024 (digits keep the
+    former fixed count; Fashion-MNIST's 784 pixels get 3136)."""
+    assert default_max_symbols(64) == 1024
+    assert default_max_symbols(784) == 4 * 784
+    assert default_max_symbols(3 * 32 * 32) == 4 * 3072

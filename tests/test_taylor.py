@@ -620,3 +620,31 @@ def test_cli_max_memory(ckpt, tmp_path):
     small, default = ([s["radii"]["taylor"] for s in json.loads(f.read_text())
                        ["samples"]] for f in (a, b))
     assert all(r <= d * (1 + 2e-3) for r, d in zip(small, default, strict=True))
+
+
+def test_cli_max_symbols(ckpt, tmp_path):
+    """``--max-symbols``: negative is refused in one line; 0 (every flippable unit
+    bounded in norm) certifies radii no larger than the default's, and smaller
+    on some point (the symbols carry the flips exactly); ``taylor_bound``
+    refuses a negative count too."""
+    def run(*extra):
+        return CliRunner().invoke(main, ["certify", "--ckpt", str(ckpt), "--eps",
+                                         "0.05", "--method", "taylor", "--n", "6",
+                                         *extra])
+
+    refused = run("--max-symbols", "-1")
+    assert refused.exit_code != 0 and "Traceback" not in refused.output
+    assert "--max-symbols" in refused.output
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert run("--max-symbols", "0", "--radius", "--json", str(a)).exit_code == 0
+    assert run("--radius", "--json", str(b)).exit_code == 0
+    none, default = ([s["radii"]["taylor"] for s in json.loads(f.read_text())
+                      ["samples"]] for f in (a, b))
+    assert all(r <= d * (1 + 2e-3) for r, d in zip(none, default, strict=True))
+    assert any(r < d * (1 - 2e-3) for r, d in zip(none, default, strict=True))
+    from lipvit.checkpoint import load_checkpoint
+
+    model = load_checkpoint(ckpt).model.double().eval()
+    with pytest.raises(ValueError, match="max_symbols"):
+        taylor_bound(model, torch.zeros(1, 1, 8, 8, dtype=F64), torch.zeros(1).long(),
+                     max_symbols=-1)

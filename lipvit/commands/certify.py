@@ -161,6 +161,14 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
     help="memory taylor may hold for its tangents and samples, e.g. 512M, 4G "
          "[default: 4G, or a sixth of the machine's memory if less]",
 )
+@click.option(
+    "--max-symbols",
+    type=click.IntRange(min=0),
+    default=None,
+    help="taylor, lipschitz family: flippable ReLU units carried exactly per "
+         "sample and block (more is tighter and slower; the rest are bounded in "
+         "norm) [default: max(1024, 4 x image dimension)]",
+)
 @C.device_option
 @C.data_options
 @C.json_option
@@ -175,6 +183,7 @@ def certify(
     n: int | None,
     batch_size: int,
     max_memory_text: str | None,
+    max_symbols: int | None,
     device: str,
     dataset: str | None,
     data_dir: Path | None,
@@ -236,14 +245,15 @@ def certify(
     output = json_path or csv_path
     shard_file = shard_path(output, ranks) if ranks.world > 1 and output else None
     settings = shard_settings(ckpt, data, shard, methods, eps_list, radius_tol,
-                              batch_size, dev, max_memory=max_memory, radii=radii)
+                              batch_size, dev, max_memory=max_memory,
+                              max_symbols=max_symbols, radii=radii)
     with process_group(ranks):
         record = load_shard(shard_file, settings) if shard_file else None
         if record is None:
             record = _certify_shard(model, data.x[shard], data.y[shard], methods,
                                     eps_list, radius_tol, batch_size, loaded.config,
                                     show=ranks.rank == 0, max_memory=max_memory,
-                                    radii=radii)
+                                    max_symbols=max_symbols, radii=radii)
             if shard_file:
                 save_shard(shard_file, settings, record)
         records = gather_to_root(record, ranks)
@@ -258,7 +268,7 @@ def certify(
 def shard_settings(ckpt: Path, data: C.TestSet, shard: slice, methods: list[str],
                    eps_list: list[float], radius_tol: float, batch_size: int,
                    device: torch.device, *, max_memory: int | None = None,
-                   radii: bool = True) -> dict:
+                   max_symbols: int | None = None, radii: bool = True) -> dict:
     """What a shard's results depend on: a shard file saved with other settings
     is not reused (the checkpoint is identified by path, size and mtime;
     ``radii``: whether the record holds every method's radii)."""
@@ -268,13 +278,13 @@ def shard_settings(ckpt: Path, data: C.TestSet, shard: slice, methods: list[str]
         "dataset": data.dataset, "index": data.index[shard].tolist(),
         "methods": methods, "eps": eps_list, "radius_tol": radius_tol,
         "batch_size": batch_size, "device": device.type, "max_memory": max_memory,
-        "radii": radii,
+        "max_symbols": max_symbols, "radii": radii,
     }
 
 
 def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, config,
                    show: bool, max_memory: int | None = None,
-                   radii: bool = True) -> dict:
+                   max_symbols: int | None = None, radii: bool = True) -> dict:
     """:func:`certify_samples` on one shard (every method's radii with
     ``radii``), as a plain record."""
     if len(y) == 0:
@@ -298,6 +308,7 @@ def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, confi
             # shares of a sample add up to the total only up to float rounding
             progress=lambda done: bar.update(min(done, bar.total - bar.n)),
             max_memory=max_memory,
+            max_symbols=max_symbols,
         )
     return report_record(report)
 
