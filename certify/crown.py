@@ -28,7 +28,9 @@ reviewed and tests against sampling and PGD:
   on, its interval rule ``[x_l/y_u, x_u/y_l]`` needs ``x ≥ 0``, and a
   ``Div`` by a ``Sqrt`` node is replaced by an ad-hoc LayerNorm formula.
 - LayerProject's factor ``ψ_R(s) = min(1, R/√s)`` is one operator with our own
-  relaxation (:func:`project_scale_relaxation`), so no square root is bounded.
+  relaxation (:func:`project_scale_relaxation`), so no square root is bounded;
+  so are the standard family's LayerNorm scale ``1/√(v + η)`` and exact GELU
+  (:mod:`lipvit.certify.relaxations`).
   Softmax outputs are clipped to ``[0, 1]`` (auto_LiRPA's reference bounds).
 - the softmax ``Div`` is relaxed through ``1/y`` on the denominator's bounds,
   valid only if they are > 0; samples where they are not, or where any
@@ -76,7 +78,20 @@ import torch
 from lipvit.certify import lirpa_compat
 from lipvit.certify.eps import check_eps
 from lipvit.certify.network import check_dot_attention
-from lipvit.certify.verifiable import PROJECT_SCALE_OP, project_scale, to_verifiable
+from lipvit.certify.relaxations import (
+    gelu,
+    gelu_range,
+    gelu_relaxation,
+    rsqrt,
+    rsqrt_relaxation,
+)
+from lipvit.certify.verifiable import (
+    GELU_OP,
+    PROJECT_SCALE_OP,
+    RSQRT_OP,
+    project_scale,
+    to_verifiable,
+)
 from torch import Tensor, nn
 
 from lipvit.errors import UnsupportedModelError
@@ -99,7 +114,7 @@ REVIEWED_OPS = frozenset({
     "BoundDiv", "BoundExp", "BoundPow", "BoundRelu", "BoundReduceSum",
     "BoundReduceMean", "BoundReshape", "BoundTranspose", "BoundGather",
     "BoundUnsqueeze", "BoundSqueeze", "BoundFlatten", "BoundProjectScale",
-    "BoundMatMulFast",
+    "BoundMatMulFast", "BoundRSqrt", "BoundGELU",
 })
 #: Absolute slack added to the intercepts of ψ_R's relaxation (ψ_R ∈ (0, 1]).
 RELAXATION_SLACK = 1e-12
@@ -166,35 +181,56 @@ def project_scale_relaxation(
     return k_l, b_l - RELAXATION_SLACK, k_u, b_u + RELAXATION_SLACK
 
 
+def _project_scale_interval(lower: Tensor, upper: Tensor, radius: float
+                            ) -> tuple[Tensor, Tensor]:
+    return project_scale(upper, radius), project_scale(lower, radius)  # non-increasing
+
+
+def _rsqrt_interval(lower: Tensor, upper: Tensor, eta: float) -> tuple[Tensor, Tensor]:
+    return rsqrt(upper, eta), rsqrt(lower, eta)  # non-increasing
+
+
+#: lipvit's own operators: ONNX name -> (auto_LiRPA class name, its float
+#: attribute, function, interval bounds, linear relaxation).
+CUSTOM_OPS = {
+    PROJECT_SCALE_OP: ("BoundProjectScale", "radius", project_scale,
+                       _project_scale_interval, project_scale_relaxation),
+    RSQRT_OP: ("BoundRSqrt", "eta", rsqrt, _rsqrt_interval, rsqrt_relaxation),
+    GELU_OP: ("BoundGELU", None, lambda x, _: gelu(x),
+              lambda lo, up, _: gelu_range(lo, up),
+              lambda lo, up, _: gelu_relaxation(lo, up)),
+}
+
+
 @functools.cache
-def _bound_project_scale_class() -> type:
-    """auto_LiRPA operator class for :class:`lipvit.certify.verifiable.ProjectScale`.
+def _bound_custom_class(op: str) -> type:
+    """auto_LiRPA operator class for one of :data:`CUSTOM_OPS` (ψ_R of LayerProject,
+    LayerNorm's ``1/√(v + η)``, the exact GELU), bounded by its own relaxation.
 
     Built on first use, after :func:`lipvit.certify.lirpa_compat.import_auto_lirpa`.
     """
     ops = importlib.import_module("auto_LiRPA.operators")
+    name, attr_name, fn, interval, relaxation = CUSTOM_OPS[op]
 
-    class BoundProjectScale(ops.BoundActivation):
-        """ψ_R with the relaxation of :func:`project_scale_relaxation`."""
-
+    class BoundCustom(ops.BoundActivation):
         def __init__(self, attr: dict, inputs: list, output_index: int, options: Any):
             super().__init__(attr, inputs, output_index, options)
-            self.radius = float(attr["radius"])
+            self.param = None if attr_name is None else float(attr[attr_name])
 
-        def forward(self, s: Tensor) -> Tensor:
-            return project_scale(s, self.radius)
+        def forward(self, x: Tensor) -> Tensor:
+            return fn(x, self.param)
 
         def interval_propagate(self, *v: Any) -> tuple[Tensor, Tensor]:
-            lower, upper = v[0][0], v[0][1]
-            return self.forward(upper), self.forward(lower)  # non-increasing
+            return interval(v[0][0], v[0][1], self.param)
 
         def bound_relax(self, x: Any) -> None:
-            k_l, b_l, k_u, b_u = project_scale_relaxation(x.lower, x.upper, self.radius)
+            k_l, b_l, k_u, b_u = relaxation(x.lower, x.upper, self.param)
             zero = torch.zeros_like(k_l)
             self.add_linear_relaxation(mask=None, type="lower", k=k_l, x0=zero, y0=b_l)
             self.add_linear_relaxation(mask=None, type="upper", k=k_u, x0=zero, y0=b_u)
 
-    return BoundProjectScale
+    BoundCustom.__name__ = BoundCustom.__qualname__ = name
+    return BoundCustom
 
 
 def matmul_mccormick_backward(
@@ -342,21 +378,17 @@ def _check_labels(model: ViT, x: Tensor, y: Tensor) -> None:
 def check_crown_support(model: ViT) -> None:
     """Refuse, with a one-line reason, a model lipvit's CROWN backend cannot bound.
 
+    Both families are bounded (the standard family's GELU and LayerNorm through
+    :mod:`lipvit.certify.relaxations`); attention other than dot-product is not.
+
     Raises:
         TypeError: not a :class:`lipvit.ViT`.
-        UnsupportedModelError: the standard family: its GELU is the exact
-            ``½x(1 + erf(x/√2))`` and auto_LiRPA 0.3 has no bound for ``erf``
-            (the tanh approximation is a different function, so substituting it
-            would bound another model); its LayerNorm would also need ``Sqrt``.
+        UnsupportedModelError: an attention variant lipvit's CROWN wrapper has
+            no verifiable form of.
     """
     if not isinstance(model, ViT):
         raise TypeError(f"expected a lipvit.ViT, got {type(model).__name__}")
     check_dot_attention(model, "lipvit's CROWN wrapper")
-    if model.config.family == "standard":
-        raise UnsupportedModelError(
-            "crown cannot bound the standard family: its exact (erf) GELU has no "
-            "bound in auto_LiRPA 0.3, and the tanh form is a different function"
-        )
 
 
 def _per_sample(t: Any, batch: int) -> Tensor | None:
@@ -505,8 +537,8 @@ def bound_module(
 
 def _bounded(lirpa: Any, net: nn.Module, x: Tensor, log: list[str]) -> nn.Module:
     """auto_LiRPA's bounded copy of ``net`` for batches shaped like ``x``, checked."""
-    custom = {PROJECT_SCALE_OP: _bound_project_scale_class(),
-              "onnx::MatMul": _fast_matmul_class()}
+    custom = {op: _bound_custom_class(op) for op in CUSTOM_OPS}
+    custom["onnx::MatMul"] = _fast_matmul_class()
     # A perturbed placeholder input marks the perturbed nodes at once (the
     # radius is given again with every batch).
     ptb = lirpa.PerturbationLpNorm(norm=2, eps=0.0)

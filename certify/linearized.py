@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from lipvit.certify.relaxations import gelu_grad
 from torch import Tensor
 
 from lipvit.layers import LayerProject
@@ -137,7 +138,7 @@ class Linearized:
             slope = (z > 0).to(z.dtype)
             out = 2.0 * W1 / block.mlp.T()[:, None]  # (m, D)
         else:
-            slope = _gelu_slope(z)
+            slope = gelu_grad(z)
             out = block.mlp.fc2.weight.T  # (m, D)
         scale = 1 / math.sqrt(d)
         return _Block(_norm_tangent(block.norm1, X), _norm_tangent(block.norm2, X_mid),
@@ -202,13 +203,6 @@ class Linearized:
         dV = qkv[:, :, 2].permute(2, 1, 0, 3).reshape(H, N, c * d)  # (H, N, c·d)
         out = out + (b.P @ dV).reshape(H, N, c, d).transpose(1, 2)  # + P dV
         return out.permute(1, 2, 0, 3).reshape(c, N, H * d) @ b.W_o
-
-
-def _gelu_slope(z: Tensor) -> Tensor:
-    """``GELU′(z) = Φ(z) + z φ(z)`` (the exact, erf-based GELU)."""
-    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
-    pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-    return cdf + z * pdf
 
 
 CACHE_BYTES = 4 * 2**20

@@ -3,7 +3,8 @@
 :func:`to_verifiable` returns a plain ``nn.Module`` computing the same function
 as ``model.double()`` (equal to float rounding; the tests check 1e-6) with only
 operators whose auto_LiRPA 0.3 bounds lipvit has reviewed (see
-:mod:`lipvit.certify.crown`), plus one operator of our own:
+:mod:`lipvit.certify.crown`), plus three operators of our own with our own
+relaxations (:mod:`lipvit.certify.crown`, :mod:`lipvit.certify.relaxations`):
 
 =================================  ==============================================
 model                              verifiable model
@@ -17,9 +18,10 @@ parametrised weights (caps)        their effective values, baked into plain tens
 LayerProject (LoFAST eq. 29)       ``x · ψ_R(Σ x²)`` with ``ψ_R(s) = min(1, R/√s)``
                                    the operator :class:`ProjectScale`
 SLL                                ``x + ReLU(x W_1ᵀ + b) M`` with ``M = −2 T⁻¹ W_1``
-LayerNorm                          ``(x − μ) · 1/√(mean((x − μ)²) + η) · γ + β``
-GELU (exact, erf form)             ``½ x (1 + erf(x/√2))`` (auto_LiRPA 0.3 has no
-                                   bound for ``erf``: see :mod:`lipvit.certify.crown`)
+LayerNorm                          ``(x − μ) · r(mean((x − μ)²)) · γ + β``,
+                                   ``r(v) = 1/√(v + η)`` the operator :class:`RSqrt`
+GELU (exact, erf form)             the operator :class:`GELU` (auto_LiRPA 0.3 has
+                                   no bound for ``erf``)
 head on the class token            indexing ``x[:, 0]`` then a ``Linear``
 =================================  ==============================================
 
@@ -41,13 +43,17 @@ import copy
 import math
 
 import torch
+from lipvit.certify.relaxations import gelu, gelu_grad, rsqrt
 from torch import Tensor, nn
 
 from lipvit.layers import SLL, LayerProject
 from lipvit.model import MLP, Attention, Block, ViT
 
-#: Name of :class:`ProjectScale` in the traced (ONNX) graph.
+#: Names of :class:`ProjectScale`, :class:`GELU` and :class:`RSqrt` in the
+#: traced (ONNX) graph.
 PROJECT_SCALE_OP = "lipvit::ProjectScale"
+GELU_OP = "lipvit::GELU"
+RSQRT_OP = "lipvit::RSqrt"
 
 
 def project_scale(s: Tensor, radius: float) -> Tensor:
@@ -85,6 +91,50 @@ class ProjectScale(torch.autograd.Function):
     def symbolic(g, s, radius: float):  # noqa: D102
         out = g.op(PROJECT_SCALE_OP, s, radius_f=float(radius))
         out.setType(s.type())  # same shape and dtype as s
+        return out
+
+
+class GELU(torch.autograd.Function):
+    """The exact GELU (:func:`lipvit.certify.relaxations.gelu`) as one graph
+    operator (``lipvit::GELU``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(x)
+        return gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: D102
+        (x,) = ctx.saved_tensors
+        return grad * gelu_grad(x)
+
+    @staticmethod
+    def symbolic(g, x):  # noqa: D102
+        out = g.op(GELU_OP, x)
+        out.setType(x.type())
+        return out
+
+
+class RSqrt(torch.autograd.Function):
+    """LayerNorm's ``1/√(v + η)`` (:func:`lipvit.certify.relaxations.rsqrt`) as one
+    graph operator (``lipvit::RSqrt``)."""
+
+    @staticmethod
+    def forward(ctx, v: Tensor, eta: float) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(v)
+        ctx.eta = eta
+        return rsqrt(v, eta)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+        (v,) = ctx.saved_tensors
+        slope = -0.5 * rsqrt(v, ctx.eta) ** 3
+        return grad * torch.where(v > 0, slope, torch.zeros_like(v)), None
+
+    @staticmethod
+    def symbolic(g, v, eta: float):  # noqa: D102
+        out = g.op(RSQRT_OP, v, eta_f=float(eta))
+        out.setType(v.type())
         return out
 
 
@@ -162,7 +212,9 @@ class VerifiableLayerProject(nn.Module):
 
 
 class VerifiableLayerNorm(nn.Module):
-    """``nn.LayerNorm`` over the last dimension written out (biased variance)."""
+    """``nn.LayerNorm`` over the last dimension written out (biased variance); the
+    affine part ``γ ⊙ · + β`` is a ``Linear`` with weight ``diag(γ)`` (auto_LiRPA
+    0.3 mis-shapes the bias of an ``Add`` with a broadcast constant)."""
 
     def __init__(self, norm: nn.LayerNorm):
         super().__init__()
@@ -171,16 +223,15 @@ class VerifiableLayerNorm(nn.Module):
         self.eta = float(norm.eps)
         D = norm.normalized_shape[0]
         dtype = torch.get_default_dtype() if norm.weight is None else norm.weight.dtype
-        self.register_buffer("gamma", torch.ones(D, dtype=dtype) if norm.weight is None
-                             else _buffer(norm.weight))
-        self.register_buffer("beta", torch.zeros(D, dtype=dtype) if norm.bias is None
-                             else _buffer(norm.bias))
+        gamma = torch.ones(D, dtype=dtype) if norm.weight is None else norm.weight
+        beta = torch.zeros(D, dtype=dtype) if norm.bias is None else norm.bias
+        self.affine = _linear(torch.diag(gamma.detach()), beta.detach())
         self.register_buffer("two", torch.tensor(2.0, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         c = x - x.mean(-1, keepdim=True)  # (B, N, D)
         var = _square(c, self.two).mean(-1, keepdim=True)  # (B, N, 1)
-        return c * torch.reciprocal(torch.sqrt(var + self.eta)) * self.gamma + self.beta
+        return self.affine(c * RSqrt.apply(var, self.eta))
 
 
 class VerifiableAttention(nn.Module):
@@ -233,15 +284,14 @@ class VerifiableSLL(nn.Module):
 
 
 class VerifiableGELUMLP(nn.Module):
-    """timm's MLP ``fc2(GELU(fc1(x)))`` with the exact GELU ``½ x (1 + erf(x/√2))``."""
+    """timm's MLP ``fc2(GELU(fc1(x)))``, the exact GELU as :class:`GELU`."""
 
     def __init__(self, mlp: MLP):
         super().__init__()
         self.fc1, self.fc2 = _copy_linear(mlp.fc1), _copy_linear(mlp.fc2)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.fc1(x)
-        return self.fc2(0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0))))
+        return self.fc2(GELU.apply(self.fc1(x)))
 
 
 def _norm(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -23,7 +23,6 @@ import lipvit
 from lipvit.checkpoint import save_checkpoint
 from lipvit.cli import main
 from lipvit.config import ViTConfig
-from lipvit.errors import UnsupportedModelError
 from tests.test_crown import (
     DT,
     TINY,
@@ -161,7 +160,7 @@ def test_lipvit_operators_take_part_in_every_step(trained, monkeypatch):
     assert {"BoundProjectScale", "BoundMatMulFast", "BoundRelu"} <= perturbed
     assert {type(n).__name__ for n in bounded.optimizable_activations} == {"BoundRelu"}
     calls = {"relax": 0, "matmul": 0}
-    scale_cls = crown._bound_project_scale_class()
+    scale_cls = crown._bound_custom_class(crown.PROJECT_SCALE_OP)
     matmul_cls = crown._fast_matmul_class()
     relax, backward = scale_cls.bound_relax, matmul_cls.bound_backward_with_weight
 
@@ -214,17 +213,18 @@ def test_certify_samples_and_cli(trained, tmp_path):
     assert "alpha-crown" in result.output
 
 
-def test_standard_family_is_refused_in_one_line(tmp_path):
-    model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
-    with pytest.raises(UnsupportedModelError, match="standard family"):
-        crown.crown_margin_bounds(model, torch.rand(1, 1, 8, 8), torch.tensor([0]),
-                                  0.01, method="alpha-CROWN")
-    path = save_checkpoint(tmp_path / "std.pt", model, dataset="digits")
-    result = CliRunner().invoke(main, ["certify", "--ckpt", str(path), "--eps", "0.01",
+def test_standard_family_alpha_crown_is_crown(tmp_path, digits):
+    """The standard family has no ReLU, so no slope to optimise: alpha-CROWN's
+    margins equal CROWN's, and ``lipvit certify --method alpha-crown`` runs."""
+    torch.manual_seed(0)
+    model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard")).double().eval()
+    x, y = digits.x_test[:2].to(DT), digits.y_test[:2]
+    plain = crown.crown_margin_bounds(model, x, y, 1e-3)
+    alpha = crown.crown_margin_bounds(model, x, y, 1e-3, method="alpha-CROWN")
+    assert torch.allclose(alpha, plain, rtol=0, atol=1e-9)
+    path = save_checkpoint(tmp_path / "std.pt", model.float(), dataset="digits")
+    result = CliRunner().invoke(main, ["certify", "--ckpt", str(path), "--eps", "0.001",
                                        "--method", "alpha-crown", "--n", "2",
                                        "--device", "cpu"])
-    # As for crown: one line, after the progress bar (CliRunner mixes stderr in).
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    errors = [ln for ln in result.output.splitlines() if "Error" in ln]
-    assert errors == [result.output.strip().splitlines()[-1]], result.output
-    assert errors[0].startswith("Error: crown cannot bound the standard family")
+    assert result.exit_code == 0, result.output
+    assert "alpha-crown" in result.output

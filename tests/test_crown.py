@@ -148,15 +148,6 @@ def test_missing_auto_lirpa_says_how_to_install(monkeypatch):
     assert "\n" not in message
 
 
-def test_standard_family_is_refused_with_a_reason():
-    model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard"))
-    x, y = torch.rand(2, 1, 8, 8), torch.tensor([0, 1])
-    with pytest.raises(UnsupportedModelError, match="erf"):
-        crown.crown_certify(model, x, y, 0.05)
-    with pytest.raises(UnsupportedModelError, match="standard family"):
-        crown.crown_logit_bounds(model, x, 0.05)
-
-
 @pytest.mark.parametrize(("kwargs", "error"), [
     (dict(eps=-0.1), ValueError),
     (dict(eps=math.nan), ValueError),
