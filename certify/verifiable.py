@@ -66,76 +66,58 @@ def project_scale(s: Tensor, radius: float) -> Tensor:
     return radius / torch.sqrt(s.clamp_min(0)).clamp_min(radius)
 
 
-class ProjectScale(torch.autograd.Function):
-    """:func:`project_scale` as one graph operator (``lipvit::ProjectScale``).
-
-    auto_LiRPA bounds it with :class:`lipvit.certify.crown`'s relaxation; in plain
-    torch it is :func:`project_scale` (with its gradient).
-    """
-
-    @staticmethod
-    def forward(ctx, s: Tensor, radius: float) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(s)
-        ctx.radius = radius
-        return project_scale(s, radius)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
-        (s,) = ctx.saved_tensors
-        R = ctx.radius
-        inside = s <= R * R
-        dpsi = -0.5 * R * s.clamp_min(R * R).pow(-1.5)  # ψ'(s) for s > R²
-        return grad * torch.where(inside, torch.zeros_like(s), dpsi), None
-
-    @staticmethod
-    def symbolic(g, s, radius: float):  # noqa: D102
-        out = g.op(PROJECT_SCALE_OP, s, radius_f=float(radius))
-        out.setType(s.type())  # same shape and dtype as s
-        return out
+def _project_scale_slope(s: Tensor, radius: float) -> Tensor:
+    """``ψ_R′(s)``: 0 on ``s ≤ R²``, ``−½ R s^{−3/2}`` beyond."""
+    dpsi = -0.5 * radius * s.clamp_min(radius * radius).pow(-1.5)
+    return torch.where(s <= radius * radius, torch.zeros_like(s), dpsi)
 
 
-class GELU(torch.autograd.Function):
-    """The exact GELU (:func:`lipvit.certify.relaxations.gelu`) as one graph
-    operator (``lipvit::GELU``)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(x)
-        return gelu(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: D102
-        (x,) = ctx.saved_tensors
-        return grad * gelu_grad(x)
-
-    @staticmethod
-    def symbolic(g, x):  # noqa: D102
-        out = g.op(GELU_OP, x)
-        out.setType(x.type())
-        return out
+def _rsqrt_slope(v: Tensor, eta: float) -> Tensor:
+    """``d/dv 1/√(max(v, 0) + η)``."""
+    return torch.where(v > 0, -0.5 * rsqrt(v, eta) ** 3, torch.zeros_like(v))
 
 
-class RSqrt(torch.autograd.Function):
-    """LayerNorm's ``1/√(v + η)`` (:func:`lipvit.certify.relaxations.rsqrt`) as one
-    graph operator (``lipvit::RSqrt``)."""
+def _operator(name: str, fn, slope, attr: str | None, doc: str) -> type:
+    """An elementwise ``fn(x, param)`` as one graph operator ``name`` (its float
+    ``param`` the ONNX attribute ``attr``), with gradient ``slope(x, param)``:
+    auto_LiRPA bounds it with lipvit's relaxation (:mod:`lipvit.certify.crown`);
+    in plain torch it is ``fn``. Called as ``Op.apply(x, param)``."""
 
-    @staticmethod
-    def forward(ctx, v: Tensor, eta: float) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(v)
-        ctx.eta = eta
-        return rsqrt(v, eta)
+    class Operator(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor, param: float | None) -> Tensor:  # noqa: D102
+            ctx.save_for_backward(x)
+            ctx.param = param
+            return fn(x, param)
 
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
-        (v,) = ctx.saved_tensors
-        slope = -0.5 * rsqrt(v, ctx.eta) ** 3
-        return grad * torch.where(v > 0, slope, torch.zeros_like(v)), None
+        @staticmethod
+        def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+            (x,) = ctx.saved_tensors
+            return grad * slope(x, ctx.param), None
 
-    @staticmethod
-    def symbolic(g, v, eta: float):  # noqa: D102
-        out = g.op(RSQRT_OP, v, eta_f=float(eta))
-        out.setType(v.type())
-        return out
+        @staticmethod
+        def symbolic(g, x, param: float | None):  # noqa: D102
+            attrs = {} if attr is None else {f"{attr}_f": float(param)}
+            out = g.op(name, x, **attrs)
+            out.setType(x.type())  # same shape and dtype as x
+            return out
+
+    Operator.__name__ = Operator.__qualname__ = name.split("::")[1]
+    Operator.__doc__ = doc
+    return Operator
+
+
+ProjectScale = _operator(
+    PROJECT_SCALE_OP, project_scale, _project_scale_slope, "radius",
+    ":func:`project_scale` (``lipvit::ProjectScale``): ``ProjectScale.apply(s, R)``.")
+RSqrt = _operator(
+    RSQRT_OP, rsqrt, _rsqrt_slope, "eta",
+    "LayerNorm's ``1/√(v + η)`` (:func:`lipvit.certify.relaxations.rsqrt`, "
+    "``lipvit::RSqrt``): ``RSqrt.apply(v, η)``.")
+GELU = _operator(
+    GELU_OP, lambda x, _: gelu(x), lambda x, _: gelu_grad(x), None,
+    "The exact GELU (:func:`lipvit.certify.relaxations.gelu`, ``lipvit::GELU``): "
+    "``GELU.apply(x, None)``.")
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
@@ -291,7 +273,7 @@ class VerifiableGELUMLP(nn.Module):
         self.fc1, self.fc2 = _copy_linear(mlp.fc1), _copy_linear(mlp.fc2)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(GELU.apply(self.fc1(x)))
+        return self.fc2(GELU.apply(self.fc1(x), None))
 
 
 def _norm(module: nn.Module, dtype: torch.dtype) -> nn.Module:

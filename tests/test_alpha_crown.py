@@ -14,7 +14,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from click.testing import CliRunner
 from lipvit.certify import crown
 from lipvit.certify.evaluate import certify_samples
@@ -30,6 +29,7 @@ from tests.test_crown import (
     _pgd_min,
     assert_survive_attacks,
     needs_lirpa,
+    train_tiny,
 )
 
 pytestmark = [pytest.mark.crown, needs_lirpa]
@@ -42,17 +42,9 @@ def trained(request, digits):
     """A tiny lipschitz ViT (8×8 digits, 4×4 patches, D = 8, 2 blocks) trained
     briefly with seed ``request.param``, and 6 test points."""
     seed = request.param
-    torch.manual_seed(seed)
-    model = lipvit.ViT(ViTConfig(**TINY, mean=digits.mean, std=digits.std))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(300):
-        i = torch.randint(0, digits.x_train.shape[0], (128,), generator=g)
-        loss = F.cross_entropy(30 * model(digits.x_train[i]), digits.y_train[i])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval().double()
+    cfg = ViTConfig(**TINY, mean=digits.mean, std=digits.std)
+    model = train_tiny(cfg, digits, seed, steps=300, lr=3e-2, logit_scale=30)
+    g = torch.Generator().manual_seed(100 + seed)
     idx = torch.randperm(digits.x_test.shape[0], generator=g)[:6]
     return model, digits.x_test[idx].to(DT), digits.y_test[idx]
 
