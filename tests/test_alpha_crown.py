@@ -209,7 +209,8 @@ def test_standard_family_alpha_crown_is_crown(tmp_path, digits):
     """The standard family has no ReLU, so no slope to optimise: alpha-CROWN's
     margins equal CROWN's, and ``lipvit certify --method alpha-crown`` runs."""
     torch.manual_seed(0)
-    model = lipvit.ViT(lipvit.preset("digits-tiny", family="standard")).double().eval()
+    cfg = ViTConfig(**{**TINY, "family": "standard"}, mean=digits.mean, std=digits.std)
+    model = lipvit.ViT(cfg).double().eval()
     x, y = digits.x_test[:2].to(DT), digits.y_test[:2]
     plain = crown.crown_margin_bounds(model, x, y, 1e-3)
     alpha = crown.crown_margin_bounds(model, x, y, 1e-3, method="alpha-CROWN")
