@@ -2,8 +2,9 @@
 
 For the attention sub-block ``s ↦ s + attn(N(s))`` of every block, on the test
 points of a checkpoint (the same seeded subsample as ``lipvit certify --n``):
-the product bound ``1 + ‖J_a‖ ‖J_N‖`` that the ``taylor`` budget recursion uses
-for large models, and the exact norm that
+the product bound ``1 + ‖J_a‖ ‖J_N‖``, the structured bound of a lipschitz
+block (:func:`lipvit.certify.subblock.projected_subblock_norm`; both are what
+the ``taylor`` budget recursion uses for large models), and the exact norm that
 :func:`lipvit.certify.sites.subblock_norms` computes from the whole
 ``(N·D) × (N·D)`` Jacobian (docs/taylor.md §8); ranges over the points.
 
@@ -18,13 +19,19 @@ import argparse
 
 import torch
 from _points import float64_points
+from lipvit.certify.attention import bound_weights
 from lipvit.certify.local import (
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
 )
 from lipvit.certify.network import network_bound
-from lipvit.certify.remainders import attention_jacobian_norm
+from lipvit.certify.remainders import attention_jacobian_norm, softmax_path
 from lipvit.certify.sites import forward, subblock_norms
+from lipvit.certify.subblock import projected_subblock_norm, projection_structure
+
+
+def _range(t: torch.Tensor) -> str:
+    return f"{t.min():.4g}–{t.max():.4g}"
 
 
 def main() -> None:
@@ -39,19 +46,25 @@ def main() -> None:
         terms = network_bound(model, x, "lofast").attention_terms
         zero = torch.zeros(len(x), dtype=x.dtype)
         print(f"{args.ckpt}: n={len(x)}, N·D={clean.stream[0][0].numel()}")
-        print("| block | product bound 1 + ‖J_a‖‖J_N‖ | exact ‖J_sub‖ | ratio |")
-        print("|---|---|---|---|")
+        print("| block | product bound 1 + ‖J_a‖‖J_N‖ | structured | exact ‖J_sub‖ "
+              "| product / exact | structured / exact |")
+        print("|---|---|---|---|---|---|")
         for k, block in enumerate(model.blocks):
-            X, norm = clean.stream[2 * k], block.norm1
+            X, norm, ex = clean.stream[2 * k], block.norm1, exact.attn[:, k]
+            structured = s_ratio = "—"
             if model.config.family == "lipschitz":
                 L_N = layer_project_local_lipschitz(X, norm.radius, zero, norm.mode)
+                c, U = projection_structure(X, norm.radius, norm.mode)
+                W_v, W_o = bound_weights(block.attn)[2:]
+                bound = projected_subblock_norm(
+                    torch.softmax(terms[k].logits, -1), W_v, W_o, c, U,
+                    softmax_path(terms[k]))
+                structured, s_ratio = _range(bound), _range(bound / ex)
             else:
                 L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, zero)
             product = 1 + attention_jacobian_norm(terms[k]) * L_N
-            ex, ratio = exact.attn[:, k], product / exact.attn[:, k]
-            print(f"| {k} | {product.min():.3g}–{product.max():.3g} "
-                  f"| {ex.min():.3g}–{ex.max():.3g} "
-                  f"| {ratio.min():.3g}–{ratio.max():.3g} |")
+            print(f"| {k} | {_range(product)} | {structured} | {_range(ex)} "
+                  f"| {_range(product / ex)} | {s_ratio} |")
 
 
 if __name__ == "__main__":

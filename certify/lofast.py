@@ -520,6 +520,14 @@ def _key_sensitivity(
     return NormBound(est.sigma, method, False)
 
 
+def zeta_from_attention(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Tensor:
+    """Guaranteed upper bound on ζ, eq. (15), ``(B,)``, from attention matrices
+    ``P`` ``(B, H, N, N)`` (float64, taken as exact data; any nonnegative
+    entries, e.g. columns scaled by a LayerProject's Jacobian): the dense
+    certificate up to :data:`EIGVALSH_MAX_N`, the structured one above."""
+    return _key_sensitivity(P, W_v, W_o, residual, True, 0, 0.0).value
+
+
 def zeta_cls(P: Tensor, W_vo: Tensor) -> Tensor:
     """ζ_cls(X): exact norm of ``Γ ↦ Σ_h P_h[0, :] Γ W_vo[h]`` (the class row of Δ1).
 

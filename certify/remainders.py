@@ -327,10 +327,10 @@ def attention_jacobian_norm(terms: LoFASTTerms) -> Tensor:
     """
     if terms.residual:
         raise ValueError("attention_jacobian_norm expects the bare attention (H = 0)")
-    return terms.zeta + _softmax_path(terms)
+    return terms.zeta + softmax_path(terms)
 
 
-def _softmax_path(terms: LoFASTTerms) -> Tensor:
+def softmax_path(terms: LoFASTTerms) -> Tensor:
     """``Σ_h c_h ‖M_h(X)‖ ‖Π X M_h‖/√d`` ``(B,)``: the softmax path's share of
     ``‖J_a‖`` (:func:`attention_jacobian_norm`)."""
     c0 = softmax_local_constant(terms.logits, torch.zeros_like(terms.m_norm))  # (B, H)
@@ -346,7 +346,7 @@ def attention_row_norms(terms: LoFASTTerms) -> Tensor:
     ``1/√N`` of the whole norm."""
     P = torch.softmax(terms.logits, dim=-1)  # (B, H, N, N)
     value = (torch.linalg.vector_norm(P, dim=-1) * terms.vo_norm[:, None]).sum(1)
-    return value + _softmax_path(terms)[:, None]
+    return value + softmax_path(terms)[:, None]
 
 
 def attention_remainder(

@@ -58,6 +58,7 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
+from lipvit.certify.attention import bound_weights
 from lipvit.certify.certification import bisect_radius, certified_radius
 from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.linearized import Linearized
@@ -78,6 +79,7 @@ from lipvit.certify.remainders import (
     layer_project_remainder,
     layer_project_split,
     layernorm_curvature,
+    softmax_path,
 )
 from lipvit.certify.sites import (
     SITES,
@@ -91,6 +93,7 @@ from lipvit.certify.sites import (
     site_gradients,
     subblock_norms,
 )
+from lipvit.certify.subblock import projected_subblock_norm, projection_structure
 from lipvit.certify.symbols import (
     Carried,
     default_max_symbols,
@@ -140,12 +143,17 @@ class AttentionGains(NamedTuple):
 
 
 def _attention_gains(
-    terms, L_N: Tensor, exact: SubBlockNorms | None, k: int
+    terms, L_N: Tensor, exact: SubBlockNorms | None, k: int,
+    structured: Tensor | None = None,
 ) -> AttentionGains:
     """:class:`AttentionGains` of block ``k``: the product bounds, or the exact
-    norms where :func:`subblock_norms` ran and they are smaller."""
+    norms where :func:`subblock_norms` ran and ``structured`` (a bound on the
+    sub-block's norm, :func:`~lipvit.certify.subblock.projected_subblock_norm`)
+    where they are smaller."""
     J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)
     lam = _tighter(1 + J_a * L_N, exact, "attn", k)
+    if structured is not None:
+        lam = torch.minimum(lam, structured)
     rows = torch.minimum(attention_row_norms(terms), J_a[:, None])
     return AttentionGains(J_a, lam, rows, L_N)
 
@@ -334,7 +342,11 @@ def _lipschitz_block(
     L2_0 = layer_project_local_lipschitz(
         X_mid, P2.radius, zero, "token", per_token=True
     )
-    gains = _attention_gains(terms, L1_0, exact, k)
+    c, U = projection_structure(X, P1.radius, P1.mode)
+    W_v, W_o = bound_weights(block.attn)[2:]
+    structured = projected_subblock_norm(
+        torch.softmax(terms.logits, dim=-1), W_v, W_o, c, U, softmax_path(terms))
+    gains = _attention_gains(terms, L1_0, exact, k, structured)
     w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
     m_mid = 2 * k + 1
 
