@@ -410,7 +410,7 @@ def pipeline_report(
         rrows = [row for name, data in certs.items() for row in radius_rows(name, data)]
         if rrows:
             rep.text(
-                "Certified radius per sample (lower end of the bisection bracket; "
+                "Certified radius per sample (the largest ε proven by the search; "
                 "0 for misclassified samples):"
             )
             rep.table(["model", "method", "median radius", "max radius"], rrows)

@@ -163,3 +163,113 @@ def bisect_radius(
         lo = torch.where(open_ & ok, mid, lo)
         hi = torch.where(open_ & ~ok, mid, hi)
     return torch.where(candidates, lo, torch.zeros_like(lo))
+
+
+def falsi_radius(
+    slack: Callable[[Tensor], Tensor],
+    candidates: Tensor,
+    bracket: tuple[Tensor, Tensor],
+    *,
+    guess: Tensor | None = None,
+    rtol: float = 1e-3,
+    tol: float = 0.0,
+    max_iter: int = 100,
+    probed: Sequence[tuple[float, Tensor]] = (),
+) -> Tensor:
+    """Largest certified ε per sample from a certificate's *slack*, by a
+    safeguarded secant search: fewer probes than :func:`bisect_radius` when the
+    slack is smooth, never unsound.
+
+    ``slack(ε)`` ``(B,)`` is positive exactly where the ε-ball is certified
+    (e.g. ``min_j log(margin_j/drop_j(ε))``) and expected to decrease with ε.
+    The lower end is probed first, the upper end is taken as uncertified and
+    probed only if the search gets there; the first probe is ``guess`` (the
+    geometric mean of the ends without one). Each further step probes the
+    secant root of the last two probes (in ``log ε``; of the bracket's ends
+    when that root leaves the bracket), moved half the tolerance past it,
+    away from the end that moved last, so that an accurate estimate closes
+    the bracket with the next probe; three steps in a row that do not halve
+    the bracket give way to a bisection step (geometric where ``lo > 0``).
+
+    Args:
+        slack: ``ε (B,) ↦ (B,)``; NaN counts as not certified, ``+inf`` as
+            certified (no secant from that point).
+        candidates: ``(B,)`` bool, the samples worth searching.
+        bracket: ``(lo, hi)`` ``(B,)``; the search never goes above ``hi``.
+        guess: ``(B,)``, the first probe (inside the bracket).
+        rtol, tol, max_iter: as in :func:`bisect_radius`.
+        probed: ``(ε, slack (B,))`` pairs already computed with the same
+            ``slack`` (e.g. the per-ε results): they narrow the bracket, and
+            an end they decide is not probed again.
+
+    Returns:
+        ``(B,)`` radii: the lower end of the final bracket, a value at which the
+        slack **was** positive (0 for points certified nowhere in the bracket).
+    """
+    if not (rtol >= 0 and tol >= 0 and (rtol > 0 or tol > 0)):
+        raise ValueError("rtol, tol must be >= 0 (one > 0)")
+
+    def probe(e: Tensor, active: Tensor) -> Tensor:
+        """Slack at ``e`` where ``active`` (probed at 0 elsewhere), NaN → −inf."""
+        f = slack(torch.where(active, e, torch.zeros_like(e))).detach()
+        return torch.nan_to_num(f, nan=-math.inf)
+
+    lo = bracket[0].clamp_min(0)
+    hi = torch.maximum(bracket[1].to(lo.dtype), lo)
+    f_lo = f_hi = torch.full_like(lo, math.nan)  # unknown until probed
+    for eps, f in probed:
+        e, f = torch.full_like(lo, float(eps)), torch.nan_to_num(f, nan=-math.inf)
+        ok = f > 0
+        lo, f_lo = (torch.where(ok & (e >= lo) & (e <= hi), t, u)
+                    for t, u in ((e, lo), (f, f_lo)))
+        hi, f_hi = (torch.where(~ok & (e <= hi) & (e > lo), t, u)
+                    for t, u in ((e, hi), (f, f_hi)))
+    need = candidates & f_lo.isnan()
+    if bool(need.any()):
+        f_lo = torch.where(need, probe(lo, need), f_lo)
+    lo = torch.where(f_lo > 0, lo, torch.zeros_like(lo))  # 0: certified nowhere yet
+    f_lo = torch.where(f_lo > 0, f_lo, math.nan)
+    x1 = x2 = lo  # the last two probes with a finite slack: the secant's points
+    f1 = f2 = f_lo
+    last = torch.zeros_like(lo)  # +1: lo moved last, −1: hi moved last
+    stalls = torch.zeros_like(lo)
+    for step in range(max_iter):
+        width = torch.maximum(rtol * hi, torch.full_like(hi, tol))
+        open_ = (hi - lo > width) & candidates
+        if not bool(open_.any()):
+            break
+        w = width / 2
+        x = _secant(x1, f1, x2, f2)
+        x = torch.where((x > lo) & (x < hi), x, _secant(lo, f_lo, hi, f_hi))
+        # Aim just past the estimate, away from the end that moved last, so
+        # that an accurate estimate closes the bracket with the next probe.
+        x = x + last * w / 2
+        if step == 0 and guess is not None:
+            x = torch.where(f_hi.isnan(), guess.to(x), x)
+        x = torch.minimum(torch.maximum(x, lo + w / 2), hi - w / 2)
+        mid = torch.where(lo > 0, (lo * hi).sqrt(), (lo + hi) / 2)
+        x = torch.where(x.isfinite() & (stalls < 3), x, mid)
+        f = probe(x, open_)
+        ok, before = f > 0, hi - lo
+        lo_move, hi_move = open_ & ok, open_ & ~ok
+        lo, f_lo = torch.where(lo_move, x, lo), torch.where(lo_move, f, f_lo)
+        hi, f_hi = torch.where(hi_move, x, hi), torch.where(hi_move, f, f_hi)
+        shift = open_ & f.isfinite()
+        x1, f1 = torch.where(shift, x2, x1), torch.where(shift, f2, f1)
+        x2, f2 = torch.where(shift, x, x2), torch.where(shift, f, f2)
+        last = torch.where(lo_move, 1.0, torch.where(hi_move, -1.0, last))
+        slow = open_ & (hi - lo > before / 2)
+        stalls = torch.where(slow, stalls + 1, torch.where(open_, 0, stalls))
+    return torch.where(candidates, lo, torch.zeros_like(lo))
+
+
+def _secant(x1: Tensor, f1: Tensor, x2: Tensor, f2: Tensor) -> Tensor:
+    """Root of the line through ``(log x, f)`` at two points (``x`` itself where
+    one is 0); NaN or ±inf where the points do not define one (NaN slacks,
+    equal points)."""
+    geometric = (x1 > 0) & (x2 > 0)
+    a = torch.where(geometric, x1.log(), x1)
+    b = torch.where(geometric, x2.log(), x2)
+    v = a + (b - a) * f1 / (f1 - f2)
+    return torch.where(geometric, v.exp(), v)
+

@@ -11,6 +11,7 @@ from lipvit.certify.remainders import softmax_path
 from lipvit.certify.sites import forward
 from lipvit.certify.subblock import projected_subblock_norm, projection_structure
 from lipvit.certify.taylor import taylor_bound
+
 from tests.conftest import full_jacobian, nonlinear_model
 
 F64 = torch.float64

@@ -13,7 +13,7 @@ import torchattacks
 from click.testing import CliRunner
 from lipvit.analysis.pgd import pgd_deviation, pgd_margin_drop
 from lipvit.certify.attention import attention
-from lipvit.certify.certification import bisect_radius
+from lipvit.certify.certification import bisect_radius, falsi_radius
 from lipvit.certify.evaluate import certify_samples
 from lipvit.certify.lofast import lofast_terms
 from lipvit.certify.remainders import (
@@ -426,6 +426,82 @@ def test_bisect_radius_closed_form():
         rtol=0, tol=1e-6,
     )
     assert 0.3 - 2e-6 < r[0] < 0.3 and r[1] == 0
+
+
+def _power_slacks(seed: int, B: int = 64):
+    """Slacks ``log m − log min(aε + bε^p, cε)`` shaped like taylor's (a
+    first-order part, a steep remainder, LoFAST's linear cap), their roots'
+    bracket, and a counter of probes."""
+    g = torch.Generator().manual_seed(seed)
+
+    def u(lo, hi):
+        return lo + (hi - lo) * torch.rand(B, dtype=F64, generator=g)
+
+    a, b, p = 10 ** u(-2, 0), 10 ** u(0, 3), u(1.5, 6)
+    c, m = 10 ** u(0.5, 1.5), 10 ** u(-2, 0)
+    calls = [0]
+
+    def drop(e):
+        return torch.minimum(a * e + b * e**p, c * e)
+
+    def slack(e):
+        calls[0] += 1
+        return m.log() - drop(e).log()
+
+    return slack, drop, m, (m / c * 0.99, (m / a * 1.000001).clamp(max=10.0)), calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_falsi_radius_is_sound_and_within_rtol(seed):
+    slack, drop, m, bracket, calls = _power_slacks(seed)
+    candidates = torch.rand(64, generator=torch.Generator().manual_seed(seed)) > 0.1
+    r = falsi_radius(slack, candidates, bracket, rtol=1e-3)
+    assert torch.all(r[~candidates] == 0)
+    assert torch.all((drop(r) < m)[candidates])  # certified where it says
+    # the root: bisection of the exact slack to 1e-12
+    root = bisect_radius(lambda e: drop(e) < m, candidates, rtol=1e-12,
+                         bracket=bracket)
+    r, root = r[candidates], root[candidates]
+    assert torch.all(r <= root) and torch.all(r >= root * (1 - 1.001e-3))
+
+
+def test_falsi_radius_needs_half_the_probes_of_bisection():
+    falsi, bisect = 0, 0
+    for seed in range(40):
+        slack, drop, m, bracket, calls = _power_slacks(seed, B=1)
+        one = torch.tensor([True])
+        falsi_radius(slack, one, bracket)
+        falsi, calls[0] = calls[0], 0
+        bisect_radius(lambda e, s=slack: s(e) > 0, one, bracket=bracket)
+        bisect += calls[0]
+    assert falsi <= 0.6 * bisect, (falsi, bisect)
+
+
+def test_falsi_radius_reuses_probed_slacks():
+    """Slacks already computed at the per-ε checks narrow the bracket and are
+    not probed again; the radius respects them."""
+    slack, drop, m, bracket, calls = _power_slacks(3, B=8)
+    one = torch.ones(8, dtype=torch.bool)
+    plain = falsi_radius(slack, one, bracket)
+    fresh, calls[0] = calls[0], 0
+    probed = [(e, slack(torch.full((8,), e, dtype=F64))) for e in (0.01, 0.05, 0.2)]
+    calls[0] = 0
+    r = falsi_radius(slack, one, bracket, probed=probed)
+    for e, f in probed:
+        assert torch.all(r[f > 0] >= e) and torch.all(r[f <= 0] < e)
+    assert torch.all((r - plain).abs() <= 2e-3 * plain)
+    assert calls[0] < fresh
+
+
+def test_falsi_radius_survives_nan_and_steps():
+    """A slack that is NaN above 0.5 and jumps at 0.2: sound, and the jump's
+    root found by the bisection fallback."""
+    def slack(e):
+        f = torch.where(e < 0.2, 1.0 - e, -1.0 - e)
+        return torch.where(e > 0.5, torch.nan, f)
+    r = falsi_radius(slack, torch.tensor([True, True]),
+                     (torch.tensor([0.0, 0.01]), torch.tensor([2.0, 0.9])), rtol=1e-4)
+    assert torch.all((r < 0.2) & (r > 0.2 * (1 - 2e-4))), r
 
 
 # --------------------------------------------------------------------------

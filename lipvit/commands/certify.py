@@ -137,7 +137,8 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
 @click.option(
     "--radius",
     is_flag=True,
-    help="also find each sample's certified radius by bisection",
+    help="also find each sample's certified radius (bisection; taylor: a "
+         "safeguarded secant search)",
 )
 @click.option(
     "--radius-tol",
@@ -343,7 +344,7 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
     if not radius:
         report = dataclasses.replace(report, radii={})
     if report.radii:
-        click.echo("\ncertified radius (lower end of the bisection bracket):")
+        click.echo("\ncertified radius (the largest eps proven, to --radius-tol):")
         click.echo(
             C.format_table(
                 ["method", "median radius", *(f"acc@r>={r:g}" for r in eps_list)],
