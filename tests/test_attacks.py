@@ -69,10 +69,14 @@ def test_per_sample_consistency(trained):
 
 @pytest.mark.parametrize(("name", "norm", "eps"), [
     ("fgsm", "linf", 4 / 255), ("pgd", "linf", 4 / 255), ("cw-pgd", "linf", 4 / 255),
-    ("pgd-l2", "l2", 0.3), ("apgd", "l2", 0.3), ("apgd", "linf", 4 / 255),
+    ("pgd-l2", "l2", 0.3), ("apgd", "l2", 0.3), ("apgd", "linf", 8 / 255),
 ])
 def test_adversarial_points_lie_in_the_ball(trained, name, norm, eps):
+    """APGD returns the clean point where it finds no adversarial one, so its
+    ε gives it a few successes; the seed makes the random starts independent
+    of the tests run before."""
     model, x, y = trained
+    torch.manual_seed(0)
     x_adv = A.perturb(model, x[:32], y[:32], name, eps, norm, steps=5)
     assert x_adv.shape == x[:32].shape
     assert torch.all(A.admissible(x[:32], x_adv, eps, norm))
