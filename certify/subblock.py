@@ -2,7 +2,7 @@
 
 The taylor certificate's budget recursion needs ``λ ≥ ‖I + J_a J_N‖``, the
 clean-point Jacobian of ``s ↦ s + attn(P₁(s))`` (docs/taylor.md §8). Its
-product bound ``1 + ‖J_a‖ ‖J_N‖`` is up to 1.5× the exact norm on a
+product bound ``1 + ‖J_a‖ ‖J_N‖`` is 1.4–1.7× the exact norm on a
 Fashion-MNIST model, and the exact norm needs the ``(N·D) × (N·D)``
 Jacobian. Here the LayerProject's Jacobian is a scaled projection, so the
 sub-block is a Kronecker-structured residual map on the complement of at most
