@@ -53,10 +53,11 @@ covered by a margin, docs/math.md "Rounding"):
   bound (token-constant directions plus a block of subspace-iteration
   vectors; ``tr G`` and ``‖G‖_F²`` exact from the Kronecker structure;
   verified by a small Cholesky, every rounding error added), and, only for
-  samples where it is more than ``STRUCTURED_RTOL`` above its Ritz value, the
-  dense certificate ``λ_max(G) ≤ μ`` proved by a Cholesky factorisation of
-  ``μ I − G`` with a Rump-type rounding margin (:func:`certified_lambda_max`,
-  Gram formed by :func:`sensitivity_gram`, one sample at a time).
+  samples where it is more than ``STRUCTURED_RTOL`` above its Ritz value and
+  ``n ≤ ZETA_CHOLESKY_MAX_N`` (4096), the dense certificate ``λ_max(G) ≤ μ``
+  proved by a Cholesky factorisation of ``μ I − G`` with a Rump-type
+  rounding margin (:func:`certified_lambda_max`, Gram formed by
+  :func:`sensitivity_gram`, one sample at a time).
   ``‖M_l(X)‖``: up to ``LEMMA2_CHOLESKY_MAX_N``, a power-iteration estimate
   certified by the Cholesky of ``μ I − G`` (as for ζ), one head's reduced
   Gram matrix at a time; above, ``√(λ_max(CᵀC + EᵀE) + 2‖C‖‖E‖)`` (``D × D``
@@ -104,7 +105,14 @@ CHECK_EVERY = 10
 """Power iterations between convergence tests (each one a host sync on a GPU)."""
 STRUCTURED_RTOL = 1e-4
 """ζ's structured certificate is kept where it is within this relative distance of
-its Ritz value (a lower estimate of ζ); elsewhere the Cholesky certificate runs."""
+its Ritz value (a lower estimate of ζ); elsewhere the Cholesky certificate runs
+(up to :data:`ZETA_CHOLESKY_MAX_N`)."""
+ZETA_CHOLESKY_MAX_N = 4096
+"""Largest Gram size of ζ's dense Cholesky fallback (``8 n²`` bytes, 128 MiB,
+and ``n³/3`` flops per sample); above it the structured certificate stands
+alone. At the 6×384 preset (``n = 24 960``: a 5 GB Gram matrix, hours of one
+core; random weights) it is at most 2e-4 above ζ: a subspace four times
+larger has Ritz values (≤ ζ) within that of it (``bench/zeta_gap.py``)."""
 
 
 @dataclass(frozen=True)
@@ -561,12 +569,15 @@ def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Norm
     :func:`lipvit.certify.structured.zeta_certificate` (docs/structured-certificates.md
     §4) for every sample; samples whose certificate exceeds its Ritz value
     (≤ ζ) by more than :data:`STRUCTURED_RTOL` get the dense Cholesky
-    certificate too (:func:`certified_lambda_max`), and keep the smaller.
+    certificate too (:func:`certified_lambda_max`), and keep the smaller, when
+    the Gram size is at most :data:`ZETA_CHOLESKY_MAX_N`.
     """
     B, H, N, _ = P.shape
     n = N * W_v.shape[1]
     cert = zeta_certificate(P, W_v, W_o, residual)
     loose = (cert.upper > cert.ritz * (1 + STRUCTURED_RTOL)).nonzero().flatten()
+    if n > ZETA_CHOLESKY_MAX_N:
+        loose = loose[:0]
     value = cert.upper.clone()
     W_vo = value_output(W_v, W_o)  # (H, D, D)
     rnd = _sensitivity_rounding(P, W_vo, residual)

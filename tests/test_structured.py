@@ -132,6 +132,29 @@ def test_zeta_certificate_against_dense(case, residual: bool) -> None:
     assert torch.all(Pz >= exact) and torch.all(Pz <= exact * (1 + 1e-4))
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_zeta_fallback_skipped_above_cholesky_max(monkeypatch, residual: bool) -> None:
+    # Sharp attention leaves the structured certificate loose (the Cholesky
+    # fallback runs); with the Gram size above ZETA_CHOLESKY_MAX_N no dense
+    # Gram matrix is formed and the value is the structured certificate, sound.
+    seed, qk, x, N, D, H, d = CASES[1]  # loose in both forms
+    X, *W = layer(seed, B=3, N=N, D=D, H=H, d=d, qk=qk, x=x)
+    exact = torch.linalg.matrix_norm(kron_zeta_matrix(X, *W, residual), ord=2)
+    P = attention_probs(X, W[0], W[1])
+    cert = S.zeta_certificate(P, W[2], W[3], residual)
+    assert bool((cert.upper > cert.ritz * (1 + L.STRUCTURED_RTOL)).any())
+    with_dense = L._certified_zeta(P, W[2], W[3], residual).value
+    monkeypatch.setattr(L, "ZETA_CHOLESKY_MAX_N", N * D - 1)
+
+    def no_gram(*args, **kwargs):
+        raise AssertionError("dense Gram formed above ZETA_CHOLESKY_MAX_N")
+
+    monkeypatch.setattr(L, "sensitivity_gram", no_gram)
+    alone = L._certified_zeta(P, W[2], W[3], residual).value
+    assert torch.equal(alone, cert.upper)
+    assert torch.all(alone >= exact) and torch.all(alone >= with_dense)
+
+
 def test_zeta_certificate_diffuse_attention_is_tight() -> None:
     # Uniform-ish attention (tiny W_q W_kᵀ): the token-constant directions
     # capture ζ and the certificate is within 1e-8 of exact, no fallback.
