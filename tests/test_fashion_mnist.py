@@ -60,7 +60,7 @@ def test_reads_plain_and_gzipped_idx_files(tmp_path: Path, compress: bool) -> No
     assert ds.y_train.tolist() == y_train.tolist()
     assert ds.y_test.tolist() == y_test.tolist()
     assert float(ds.x_test[2, 0, 7, 19]) == pytest.approx(x_test[2, 7, 19] / 255)
-    assert ds.augment.flip and ds.augment.pad == 2
+    assert ds.augment.flip and ds.augment.pad == 0  # flips only (lipvit.data)
 
 
 def test_finds_the_dataset_repository_layout(tmp_path: Path) -> None:
@@ -183,8 +183,12 @@ def test_schedules_per_dataset() -> None:
         assert digits == train_config_for(family)  # digits: the family defaults
         assert digits.epochs == FAMILY_DEFAULTS[family]["epochs"]
         fmnist = train_config_for(family, "fashion-mnist")
-        assert fmnist.epochs == 20 and fmnist.batch_size == 128
-        assert not fmnist.augment
+        assert fmnist.batch_size == 128
+        # The lipschitz model: 20 plain epochs; the standard one: 30 epochs
+        # with flips and label smoothing (docs/fashion-mnist.md).
+        assert (fmnist.epochs, fmnist.augment) == (
+            (30, True) if family == "standard" else (20, False))
+        assert fmnist.label_smoothing == (0.1 if family == "standard" else 0.0)
         assert fmnist.loss_scale == FAMILY_DEFAULTS[family]["loss_scale"]
         assert train_config_for(family, "fashion-mnist", epochs=3).epochs == 3
 

@@ -171,7 +171,12 @@ def _defaults_help(name: str, default: Any = None) -> str:
     default=None,
     help=f"Warm-up epochs [default: {_defaults_help('warmup')}].",
 )
-@click.option("--label-smoothing", type=float, default=None, help="[default: 0]")
+@click.option(
+    "--label-smoothing",
+    type=float,
+    default=None,
+    help=f"[default: {_defaults_help('label_smoothing', 0.0)}]",
+)
 @click.option(
     "--grad-clip",
     type=float,
