@@ -8,6 +8,8 @@ by a dense Cholesky certificate of the ``(N·D) × (N·D)`` Gram matrix, up to
 certificate, its Ritz value and their gap for the default subspace and for
 one four times larger with four times the iterations (how much a dense
 certificate could still gain is below the gap), with seconds of one thread.
+ζ is taken in its attention-only form (``H = 0``), as ``lofast`` bounds every
+block's attention at its normalised input.
 
 Usage::
 

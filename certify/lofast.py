@@ -575,9 +575,11 @@ def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Norm
     B, H, N, _ = P.shape
     n = N * W_v.shape[1]
     cert = zeta_certificate(P, W_v, W_o, residual)
+    method = f"structured subspace certificate (Gram size {n})"
+    if n > ZETA_CHOLESKY_MAX_N:  # the dense Gram matrix would not fit
+        return NormBound(cert.upper, f"{method}, no Cholesky fallback above "
+                         f"{ZETA_CHOLESKY_MAX_N}", True)
     loose = (cert.upper > cert.ritz * (1 + STRUCTURED_RTOL)).nonzero().flatten()
-    if n > ZETA_CHOLESKY_MAX_N:
-        loose = loose[:0]
     value = cert.upper.clone()
     W_vo = value_output(W_v, W_o)  # (H, D, D)
     rnd = _sensitivity_rounding(P, W_vo, residual)
@@ -592,9 +594,8 @@ def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Norm
                           est.residual[i:i + 1])
         rounding = _Rounding(rnd.scale[b:b + 1], rnd.inner)
         value[b] = torch.minimum(value[b], _certified_sigma(gram, start, rounding)[0])
-    method = (f"structured subspace certificate (Gram size {n}), Cholesky "
-              f"fallback on {len(loose)} of {B}")
-    return NormBound(value, method, True)
+    return NormBound(value, f"{method}, Cholesky fallback on {len(loose)} of {B}",
+                     True)
 
 
 def key_sensitivity(
