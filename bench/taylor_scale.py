@@ -7,7 +7,8 @@ subprocess each (so that its peak resident memory is its own):
 * ``lofast``: ``network_bound(model, x, "lofast").delta_out(0.01)``;
 * ``taylor``: ``taylor_bound(model, x, y)`` then ``.margin_drop(0.01)``.
 
-It prints CPU seconds per sample (process time; CUDA: synchronised wall time),
+It prints CPU seconds per sample (process time; CUDA: synchronised wall time of
+a second run, after one that warms the CUDA context and kernels up),
 peak memory (the process's resident set on a CPU; ``max_memory_allocated`` on
 CUDA), and the floating-point work of one ``taylor`` certificate counted by
 ``torch.utils.flop_counter`` (matrix products, the bulk of the work) as a
@@ -81,6 +82,9 @@ def one(name: str, family: str, method: str, batch: int, device: str,
         else:
             taylor_bound(model, x, y).margin_drop(0.01)
 
+    if dev.type == "cuda":  # warm-up: CUDA context, cuBLAS handles, kernel loading
+        run()
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = _clock(dev)
     run()
     seconds = (_clock(dev) - t0) / batch

@@ -25,11 +25,12 @@ ROUNDING = 1e-9
 
 
 def float64_model(model: nn.Module) -> nn.Module:
-    """``model`` if its weights are float64, else a float64 copy (``model`` kept)."""
-    param = next(model.parameters(), None)
-    if param is None or param.dtype == torch.float64:
-        return model
-    return copy.deepcopy(model).double()
+    """A private float64 copy of ``model`` in eval mode (``model`` untouched).
+
+    Always a copy: the bounds built on it evaluate lazily (``delta_out(ε)``,
+    ``margin_drop(ε)``), and a later change to ``model`` (more training,
+    ``.cuda()``) must not reach a bound computed before it."""
+    return copy.deepcopy(model).double().eval()
 
 
 def margin(logits: Tensor, y: Tensor) -> Tensor:

@@ -91,7 +91,13 @@ from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.structured import lemma2_structured_bound, zeta_certificate
 from torch import Tensor
 
-from lipvit.spectral import eigvalsh_upper, gamma, power_iteration, spectral_norm
+from lipvit.spectral import (
+    eigvalsh_upper,
+    gamma,
+    power_iteration,
+    seeded_start,
+    spectral_norm,
+)
 
 Op = Callable[[Tensor], Tensor]
 
@@ -477,13 +483,6 @@ def _lemma2_rounding(C: Tensor, E: Tensor) -> _Rounding:
     return _Rounding(scale, C.shape[-2])
 
 
-def _start(shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """Deterministic random start vector (private generator, global RNG untouched)."""
-    gen = torch.Generator(device=like.device)
-    gen.manual_seed(0)
-    return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
-
-
 def _round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
     """Cast ``x`` to ``dtype``, moving values that rounded down up by one ulp."""
     y = x.to(dtype)
@@ -524,7 +523,7 @@ def _key_sensitivity(
         return _certified_zeta(P, W_v, W_o, residual)
     est = _estimate(lambda G: sensitivity_matvec(G, P, W_v, W_o, residual),
                     lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
-                    _start((B, N, D), P), n_iter, tol)
+                    seeded_start((B, N, D), P.dtype, P.device), n_iter, tol)
     return NormBound(est.sigma, method, False)
 
 
@@ -585,9 +584,10 @@ def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Norm
     rnd = _sensitivity_rounding(P, W_vo, residual)
     if len(loose):
         Pl = P[loose]  # (L, H, N, N)
+        z0 = seeded_start((len(loose), N, W_v.shape[1]), P.dtype, P.device)
         est = _estimate(lambda G: sensitivity_matvec(G, Pl, W_v, W_o, residual),
                         lambda Y: sensitivity_rmatvec(Y, Pl, W_v, W_o, residual),
-                        _start((len(loose), N, W_v.shape[1]), P), 1000, 1e-10)
+                        z0, 1000, 1e-10)
     for i, b in enumerate(loose.tolist()):  # one (N·D)² Gram matrix at a time
         gram = sensitivity_gram(P[b:b + 1], W_vo, residual)  # (1, n, n)
         start = _Estimate(torch.maximum(est.sigma[i:i + 1], cert.ritz[b:b + 1]),
@@ -650,7 +650,7 @@ def _lemma2_norm(
                          f"structured bound √(λ_max(CᵀC+EᵀE)+2‖C‖‖E‖) (Gram size {n})",
                          True)
     est = _estimate(lambda G: lemma2_op(G, C, E), lambda Y: lemma2_op_adjoint(Y, C, E),
-                    _start(C.shape, X), n_iter, tol)
+                    seeded_start(C.shape, X.dtype, X.device), n_iter, tol)
     if not exact:
         return NormBound(est.sigma, method, False)
     rnd = _lemma2_rounding(C, E)  # scale (B, H)

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lipvit.spectral import seeded_start
+
 U = torch.finfo(torch.float64).eps / 2
 """Unit roundoff of float64."""
 TINY = torch.finfo(torch.float64).tiny
@@ -377,8 +379,7 @@ def _zeta_chunk(
     vecs = []
     if k > 0:
         P32, Wv32, Wo32 = P.float(), W_v.float(), W_o.float()
-        gen = torch.Generator(device=P.device).manual_seed(0)
-        Z = torch.randn(1, k, N, D, generator=gen, device=P.device)
+        Z = seeded_start((1, k, N, D), torch.float32, P.device)
         Z = Z.expand(B, k, N, D)  # the same start for every sample
         for _ in range(n_iter):
             Z = _centre(gram_apply(_orthonormal(_centre(Z)), P32, Wv32, Wo32, residual))

@@ -50,7 +50,6 @@ relative allowance of :data:`ROUNDING` covers float rounding.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,7 +58,7 @@ from typing import NamedTuple
 
 import torch
 from lipvit.certify.attention import bound_weights
-from lipvit.certify.certification import certified_radius, falsi_radius
+from lipvit.certify.certification import certified_radius, falsi_radius, float64_model
 from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.linearized import Linearized
 from lipvit.certify.local import (
@@ -633,7 +632,9 @@ def taylor_bound(
 ) -> TaylorBound:
     """The taylor certificate of ``model`` at images ``x`` ``(B, C, S, S)``, labels y.
 
-    Works on a float64 copy of the model when it is not float64 already.
+    Works on a private float64 copy of the model: the returned bound's methods
+    evaluate lazily, and a later change to ``model`` (training, ``.cuda()``,
+    ``.eval()``) must not reach them, nor does this set ``model``'s mode.
     ``max_symbols``: ReLU symbols per sample and block of a lipschitz model
     (:func:`lipvit.certify.symbols.propagate`; more is tighter and slower;
     default :func:`~lipvit.certify.symbols.default_max_symbols` of the image
@@ -650,9 +651,7 @@ def taylor_bound(
         max_symbols = default_max_symbols(x[0].numel())
     elif max_symbols < 0:
         raise ValueError(f"max_symbols must be >= 0, got {max_symbols}")
-    if model.pos_embed.dtype != torch.float64:
-        model = copy.deepcopy(model).double()
-    model.eval()
+    model = float64_model(model)  # the bound's own copy: see the docstring
     x = x.to(torch.float64)
     y = y.to(x.device)
     chain = network_bound(model, x, "lofast")

@@ -40,6 +40,16 @@ class PowerIteration(NamedTuple):
     converged: Tensor
 
 
+def seeded_start(shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str) -> Tensor:
+    """Standard normal start vectors from a private seed-0 CPU generator, then moved
+    to ``device``: the same start on every device (a CUDA generator draws other
+    numbers), so a certificate on the GPU equals the CPU's up to rounding; the
+    global RNG is untouched."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(shape, generator=gen, dtype=dtype).to(device)
+
+
 def _normalize(x: Tensor, ndim: int, eps: float = 1e-30) -> Tensor:
     """Divide ``x`` by its norm over its last ``ndim`` dimensions."""
     dims = tuple(range(-ndim, 0))

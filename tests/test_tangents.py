@@ -223,6 +223,30 @@ def test_large_image_mode_is_finite_at_zero(family, monkeypatch):
     assert torch.all(tb.radius() >= 0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bounds_are_not_changed_by_later_model_changes(family):
+    """``taylor`` and the ``lofast`` chain evaluate lazily: changing the model
+    afterwards (training on, moving it to another device or dtype) must not
+    change a bound computed before, nor its mode."""
+    from lipvit.certify.network import network_bound
+    from lipvit.certify.taylor import taylor_bound
+
+    model = _model(family, 6, depth=2).train()
+    x = _images(3, 6)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    tb, nb = taylor_bound(model, x, y), network_bound(model, x, "lofast")
+    assert model.training
+    before = (tb.margin_drop(0.02), tb.radius(), nb.delta_out(0.02))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    model.float()
+    after = (tb.margin_drop(0.02), tb.radius(), nb.delta_out(0.02))
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", FAMILIES)
