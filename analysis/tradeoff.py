@@ -43,12 +43,26 @@ def certified_at(data: Mapping, method: str, eps: float, where: str) -> float:
                      f"(it has {', '.join(f'{m}@{e:g}' for m, e in have) or 'none'})")
 
 
+def _label_coinciding(ax, p: TradeoffPoint, colour: str) -> None:
+    """Say in words where several ε of one setting share a point (only the top
+    marker would show), e.g. a setting that certifies nothing at any ε."""
+    groups: dict[float, list[float]] = {}
+    for e in sorted(p.certified):
+        groups.setdefault(p.certified[e], []).append(e)
+    for acc, es in groups.items():
+        if len(es) > 1:
+            ax.annotate(f"ε = {', '.join(f'{e:g}' for e in es)}: all {acc:.0%}",
+                        (p.clean, acc), xytext=(8, 6), textcoords="offset points",
+                        fontsize="small", color=colour, zorder=4)
+
+
 def plot_tradeoff(points: Sequence[TradeoffPoint], *, method: str,
                   clean_label: str = "clean accuracy", title: str | None = None,
                   path: PathLike | None = None, pdf: bool = False) -> Figure:
     """Certified accuracy (y) against clean accuracy (x): one colour per setting,
     one marker per ε, a setting's points at several ε joined by a thin line of
-    its colour. Axes fit the data (with a margin), both in percent."""
+    its colour; ε that share a point are named beside it. Axes fit the data
+    (with a margin), both in percent."""
     if not points:
         raise ValueError("nothing to plot: no training settings given")
     eps_values = sorted({e for p in points for e in p.certified})
@@ -65,9 +79,10 @@ def plot_tradeoff(points: Sequence[TradeoffPoint], *, method: str,
             ax.plot(p.clean, p.certified[e], color=colour, linestyle="none",
                     marker=markers[eps_values.index(e) % len(markers)],
                     markersize=8, markeredgecolor="black", markeredgewidth=0.5,
-                    zorder=3)
+                    zorder=3, clip_on=False)
             xs.append(p.clean)
             ys.append(p.certified[e])
+        _label_coinciding(ax, p, colour)
     xs_a, ys_a = np.array(xs), np.array(ys)
     xpad = max(0.01, 0.08 * float(xs_a.max() - xs_a.min()))
     ypad = max(0.02, 0.08 * float(ys_a.max() - ys_a.min()))

@@ -382,6 +382,19 @@ def test_plot_tradeoff_one_point_per_setting(tmp_path: Path):
               for ln in ax.get_lines() if ln.get_marker() not in (None, "None", "")]
     assert sorted(points) == sorted([(0.94, 0.89), (0.94, 0.34), (0.86, 0.82),
                                      (0.86, 0.74)])
+    assert len(ax.texts) == 0  # no two ε of a setting share a point
+
+
+def test_plot_tradeoff_names_coinciding_eps():
+    """A setting that certifies nothing puts every ε on one point: the figure
+    says so in words, and only there."""
+    from lipvit.analysis.tradeoff import TradeoffPoint, plot_tradeoff
+
+    fig = plot_tradeoff([TradeoffPoint("plain", 0.86, {0.05: 0.66, 0.1: 0.15, 0.25: 0}),
+                         TradeoffPoint("margin", 0.87, {0.05: 0, 0.1: 0, 0.25: 0})],
+                        method="taylor")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ["ε = 0.05, 0.1, 0.25: all 0%"]
 
 
 def test_plot_tradeoff_test_accuracy_and_refusals(tmp_path: Path):
