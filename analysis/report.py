@@ -593,5 +593,10 @@ def pipeline_report(
             ["step", "seconds", "status"],
             [[k, v.get("seconds"), v.get("status", "–")] for k, v in steps.items()],
         )
-        rep.text(f"Total over all steps: {fmt(record.get('total_seconds'))} s.")
+        text = f"Total over all steps: {fmt(record.get('total_seconds'))} s."
+        if record.get("last_run_seconds") is not None:
+            jobs = record.get("jobs", 1)
+            text += (f" The last run: {fmt(record['last_run_seconds'])} s of wall "
+                     f"time, {jobs} step{'s' if jobs > 1 else ''} at a time.")
+        rep.text(text)
     return rep

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from lipvit.analysis.report import Report, md_table, pipeline_report
 
 from lipvit.cli import main
-from lipvit.commands.pipeline import Settings, build_plan
+from lipvit.commands.pipeline import Settings, build_plan, step_dependencies
 
 pytest.importorskip("torchattacks")
 
@@ -62,6 +62,7 @@ def test_report_tables_links_and_commands(run_dir):
     assert len(links) >= 8  # 2 certified, 1 gap, 3 tightness, 2 spectrum figures
     assert "certify/gap.png" in links
     assert "| lofast | correct |" in text  # the gap table
+    assert re.search(r"The last run: [\d.]+ s of wall time, 1 step at a time", text)
     for link in links:
         assert not Path(link).is_absolute() and (out / link).is_file(), link
     # The tightness table carries the ratio of every bound at every eps.
@@ -118,6 +119,64 @@ def test_missing_or_stale_outputs_rerun_only_their_steps(run_dir):
             ran.add(title)
     assert ran == titles
     assert all(step.done() for step in plan.steps)
+
+
+def test_jobs_rerun_in_parallel_processes_after_their_inputs(run_dir):
+    """``--jobs 2``: the same steps rerun as with one job, each as its own
+    ``python -m lipvit`` process logging to OUT/logs/, none before the steps
+    that write its inputs are done; the outputs are complete afterwards."""
+    out, _ = run_dir
+    ckpt = out / "models" / "msvp.pt"
+    now = time.time_ns()
+    os.utime(ckpt, ns=(now, now))
+    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast",
+                                  "--jobs", "2"])
+    assert r.exit_code == 0, r.output
+    plan = build_plan(out, Settings.fast_mode())
+    by_title = {step.title: step for step in plan.steps}
+    deps = step_dependencies(plan)
+    events = []  # (kind, key) in output order
+    for line in r.output.splitlines():
+        m = re.match(r"\[\d+/\d+\] (.*): (started|ran in|outputs exist)", line)
+        if m:
+            events.append((m.group(2), by_title[m.group(1)].key))
+    started = [k for kind, k in events if kind == "started"]
+    assert set(started) == {"attack/msvp", "certify/msvp", "plot/msvp", "spectrum"}
+    for kind, key in events:
+        if kind == "started":
+            done_before = {k for e, k in events[:events.index((kind, key))]
+                           if e in ("ran in", "outputs exist")}
+            assert deps[key] <= done_before, (key, deps[key], done_before)
+    for key in started:
+        log = out / "logs" / f"{key.replace('/', '-')}.log"
+        assert log.is_file() and log.stat().st_size > 0
+    assert all(step.done() for step in plan.steps)
+    record = json.loads((out / "pipeline.json").read_text())
+    assert record["jobs"] == 2 and record["steps"]["spectrum"]["status"] == "ran"
+
+
+def test_a_failed_job_names_its_log(tmp_path):
+    from lipvit.commands.certify import certify
+    from lipvit.commands.pipeline import Plan, Step, run_parallel
+    from lipvit.errors import LipvitError
+
+    plan = Plan(tmp_path, Settings.fast_mode())
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    plan.steps += [
+        Step("bad", "a certificate of a missing checkpoint", certify,
+             ("--ckpt", str(tmp_path / "nope.pt"), "--eps", "0.1", "--json", str(a)),
+             (a,)),
+        Step("after", "a step reading it", certify,
+             ("--ckpt", str(a), "--eps", "0.1", "--json", str(b)), (b,), inputs=(a,)),
+    ]
+    assert step_dependencies(plan) == {"bad": set(), "after": {"bad"}}
+    lines = []
+    with pytest.raises(LipvitError, match="step bad failed .*does not exist.*bad.log"):
+        run_parallel(plan, 2, 1, force=False, echo=lines.append,
+                     on_done=lambda *a: None)
+    log = tmp_path / "logs" / "bad.log"
+    assert [ln.split(": ")[-1] for ln in lines] == [f"started ({log})"]
+    assert not b.exists()
 
 
 def test_changed_settings_are_refused_before_any_work(run_dir):

@@ -9,7 +9,12 @@ whole network) and compares the spectra of vanilla and MSVP; then writes
 Every step *is* one ``lipvit`` command, run in this process through its click
 entry point (``Command.main(args, standalone_mode=False)``: no shell, no new
 interpreter), so the command the report prints for a step is exactly what ran
-(the pipeline only adds ``--resume``/``--force``). Like make, a step whose
+(the pipeline only adds ``--resume``/``--force``). With ``--jobs K`` up to K
+steps whose inputs are ready run at once, each as that same command in its
+own ``python -m lipvit`` process with its share of the CPU threads, writing
+its output to ``OUT/logs/<step>.log``: a 2-core machine trains two models at
+a time on one thread each, where one model on two threads gains little.
+Like make, a step whose
 output files all exist and are newer than its inputs (the checkpoints or
 results it reads) is skipped; training resumes an unfinished checkpoint and
 skips a finished one; ``--force`` redoes everything. Timings per step are kept
@@ -27,6 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -480,10 +488,11 @@ def build_plan(
     return plan
 
 
-def run_step(step: Step, force: bool) -> str:
-    """Run ``step`` unless done; returns ``"skipped"``, ``"ran"`` or ``"resumed"``."""
+def step_args(step: Step, force: bool) -> tuple[list[str], str] | None:
+    """The arguments ``step`` runs with and ``"ran"`` or ``"resumed"``; ``None``
+    where it is done (skipped)."""
     if step.done() and not force:
-        return "skipped"
+        return None
     args = list(step.args)
     status = "ran"
     if step.train:
@@ -494,9 +503,112 @@ def run_step(step: Step, force: bool) -> str:
             status = "resumed"
     elif force or any(p.exists() for p in step.outputs):
         args.append("--force")  # a partial earlier run: redo the whole step
+    return args, status
+
+
+def run_step(step: Step, force: bool) -> str:
+    """Run ``step`` unless done; returns ``"skipped"``, ``"ran"`` or ``"resumed"``."""
+    prepared = step_args(step, force)
+    if prepared is None:
+        return "skipped"
+    args, status = prepared
     step.command.main(args=args, prog_name=step.prog, standalone_mode=False)
     step.record_settings()
     return status
+
+
+def step_dependencies(plan: Plan) -> dict[str, set[str]]:
+    """Each step's key → the keys of the steps that write one of its inputs."""
+    writer = {path: step.key for step in plan.steps for path in step.outputs}
+    return {step.key: {writer[p] for p in step.inputs if p in writer}
+            for step in plan.steps}
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (the affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass
+class _Running:
+    step: Step
+    number: int
+    status: str
+    start: float
+    log: Path
+    process: subprocess.Popen
+
+
+def _log_tail(path: Path) -> str:
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace")
+             .replace("\r", "\n").splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def _start(step: Step, args: list[str], number: int, status: str, log: Path,
+           threads: int) -> _Running:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w", encoding="utf-8") as handle:  # the child keeps its own copy
+        process = subprocess.Popen(
+            [sys.executable, "-m", "lipvit", step.command.name, *args],
+            stdout=handle, stderr=subprocess.STDOUT, env=env)
+    return _Running(step, number, status, time.perf_counter(), log, process)
+
+
+def run_parallel(
+    plan: Plan, jobs: int, threads: int, *, force: bool,
+    echo: Callable[[str], None], on_done: Callable[[Step, str, float], None],
+) -> None:
+    """Run the plan's steps, up to ``jobs`` at once, each in its own process with
+    ``threads`` CPU threads, a step once every step writing its inputs is done
+    (plan order among the ready ones). A failed step stops the others and
+    raises ``LipvitError`` naming its log; a rerun resumes."""
+    deps = step_dependencies(plan)
+    number = {step.key: i for i, step in enumerate(plan.steps, 1)}
+    total = len(plan.steps)
+    pending, running, finished = list(plan.steps), [], set()
+    try:
+        while pending or running:
+            for step in [s for s in pending if deps[s.key] <= finished]:
+                if len(running) >= jobs:
+                    break
+                pending.remove(step)
+                head = f"[{number[step.key]}/{total}] {step.title}"
+                prepared = step_args(step, force)
+                if prepared is None:
+                    echo(f"{head}: outputs exist: skipped (--force redoes it)")
+                    finished.add(step.key)
+                    continue
+                log = plan.out / "logs" / f"{step.key.replace('/', '-')}.log"
+                running.append(_start(step, prepared[0], number[step.key],
+                                      prepared[1], log, threads))
+                echo(f"{head}: started ({log})")
+            if not running:
+                if pending and not any(deps[s.key] <= finished for s in pending):
+                    raise LipvitError("pipeline steps wait on each other: "
+                                      + ", ".join(s.key for s in pending))
+                continue
+            time.sleep(0.2)
+            for job in [j for j in running if j.process.poll() is not None]:
+                running.remove(job)
+                if job.process.returncode:
+                    raise LipvitError(
+                        f"step {job.step.key} failed (exit {job.process.returncode})"
+                        f": {_log_tail(job.log)}; its log: {job.log}; rerun the "
+                        "same command to resume")
+                job.step.record_settings()
+                seconds = time.perf_counter() - job.start
+                echo(f"[{job.number}/{total}] {job.step.title}: {job.status} in "
+                     f"{seconds:.1f} s")
+                on_done(job.step, job.status, seconds)
+                finished.add(job.step.key)
+    finally:
+        for job in running:  # interrupted or failed: stop the others
+            job.process.terminate()
+            job.process.wait()
 
 
 def check_settings(plan: Plan) -> None:
@@ -536,26 +648,35 @@ def _load_timings(path: Path) -> dict[str, Any]:
 
 
 def run_plan(
-    plan: Plan, *, force: bool, echo: Callable[[str], None], meta: dict[str, Any]
+    plan: Plan, *, force: bool, echo: Callable[[str], None], meta: dict[str, Any],
+    jobs: int = 1, job_threads: int = 1,
 ) -> dict[str, Any]:
-    """Run every step, recording timings in ``OUT/pipeline.json`` (returned)."""
+    """Run every step (``jobs`` > 1: :func:`run_parallel` with ``job_threads``
+    each), recording timings in ``OUT/pipeline.json`` (returned)."""
     record_path = plan.out / "pipeline.json"
     record = _load_timings(record_path) if not force else {}
     record.update(meta)
     steps = record.setdefault("steps", {})
-    total = len(plan.steps)
-    for i, step in enumerate(plan.steps, 1):
-        echo(f"[{i}/{total}] {step.title}")
-        t0 = time.perf_counter()
-        status = run_step(step, force)
-        seconds = time.perf_counter() - t0
-        if status == "skipped":
-            echo("  outputs exist: skipped (--force redoes it)")
-        else:
-            steps[step.key] = {"seconds": seconds, "status": status}
-            echo(f"  {status} in {seconds:.1f} s")
+    for step in plan.steps:
         steps.setdefault(step.key, {})["command"] = step.line()
+
+    def on_done(step: Step, status: str, seconds: float) -> None:
+        steps[step.key] = {"seconds": seconds, "status": status,
+                           "command": step.line()}
         C.write_json(record_path, record, force=True)
+
+    if jobs > 1:
+        run_parallel(plan, jobs, job_threads, force=force, echo=echo, on_done=on_done)
+    else:
+        for i, step in enumerate(plan.steps, 1):
+            echo(f"[{i}/{len(plan.steps)}] {step.title}")
+            t0 = time.perf_counter()
+            status = run_step(step, force)
+            if status == "skipped":
+                echo("  outputs exist: skipped (--force redoes it)")
+            else:
+                on_done(step, status, time.perf_counter() - t0)
+                echo(f"  {status} in {steps[step.key]['seconds']:.1f} s")
     record["total_seconds"] = sum(v.get("seconds", 0.0) for v in steps.values())
     C.write_json(record_path, record, force=True)
     return record
@@ -622,6 +743,16 @@ def run_plan(
     "machine), torch's default otherwise",
 )
 @click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="steps run at once, each in its own process (a step starts when the "
+    "steps it reads from are done; output in OUT/logs/). Each gets --threads, "
+    "or else an equal share of the CPUs: --jobs 2 on a 2-core machine trains "
+    "two models at a time on one thread each",
+)
+@click.option(
     "--crown/--no-crown",
     default=None,
     help="also certify the lipschitz model with CROWN and the LoFAST→CROWN cascade "
@@ -639,6 +770,7 @@ def pipeline(
     data_dir: Path | None,
     device: str,
     threads: int,
+    jobs: int,
     crown: bool | None,
 ) -> None:
     """Train vanilla, MSVP and lipschitz ViTs, attack, certify, measure tightness and
@@ -688,14 +820,18 @@ def pipeline(
         "fast": fast,
         "crown_available": available,
         "crown": crown,
+        "jobs": jobs,
     }
     import torch
 
     before = torch.get_num_threads()
     if threads or (dataset == "digits" and resolved.type == "cpu"):
         torch.set_num_threads(threads or 1)
+    job_threads = threads or (1 if dataset == "digits" and resolved.type == "cpu"
+                              else max(1, cpu_count() // jobs))
     try:
-        record = run_plan(plan, force=force, echo=click.echo, meta=meta)
+        record = run_plan(plan, force=force, echo=click.echo, meta=meta, jobs=jobs,
+                          job_threads=job_threads)
     finally:
         torch.set_num_threads(before)
     wall = time.perf_counter() - t0
