@@ -16,7 +16,12 @@ from click.testing import CliRunner
 from lipvit.analysis.report import Report, md_table, pipeline_report
 
 from lipvit.cli import main
-from lipvit.commands.pipeline import Settings, build_plan, step_dependencies
+from lipvit.commands.pipeline import (
+    Settings,
+    build_plan,
+    downstream_counts,
+    step_dependencies,
+)
 
 pytest.importorskip("torchattacks")
 
@@ -155,6 +160,18 @@ def test_jobs_rerun_in_parallel_processes_after_their_inputs(run_dir):
     assert record["jobs"] == 2 and record["steps"]["spectrum"]["status"] == "ran"
 
 
+def test_jobs_start_the_model_most_steps_wait_on():
+    """The lipschitz model feeds certification, the gap figure and tightness:
+    with two jobs it trains first, beside the MSVP model."""
+    plan = build_plan(Path("/nonexistent"), Settings.fast_mode())
+    waiting = downstream_counts(step_dependencies(plan))
+    trains = sorted((k for k in waiting if k.startswith("train/")),
+                    key=lambda k: -waiting[k])
+    assert trains == ["train/lipschitz", "train/msvp", "train/vanilla"]
+    assert waiting["certify/lipschitz"] == 2  # its plot and the gap figure
+    assert all(waiting[k] == 0 for k in waiting if k.startswith("plot/"))
+
+
 def test_a_failed_job_names_its_log(tmp_path):
     from lipvit.commands.certify import certify
     from lipvit.commands.pipeline import Plan, Step, run_parallel
@@ -170,6 +187,7 @@ def test_a_failed_job_names_its_log(tmp_path):
              ("--ckpt", str(a), "--eps", "0.1", "--json", str(b)), (b,), inputs=(a,)),
     ]
     assert step_dependencies(plan) == {"bad": set(), "after": {"bad"}}
+    assert downstream_counts(step_dependencies(plan)) == {"bad": 1, "after": 0}
     lines = []
     with pytest.raises(LipvitError, match="step bad failed .*does not exist.*bad.log"):
         run_parallel(plan, 2, 1, force=False, echo=lines.append,

@@ -524,6 +524,22 @@ def step_dependencies(plan: Plan) -> dict[str, set[str]]:
             for step in plan.steps}
 
 
+def downstream_counts(deps: dict[str, set[str]]) -> dict[str, int]:
+    """Each step's key → how many steps need it, directly or through others."""
+    users: dict[str, set[str]] = {key: set() for key in deps}
+    for key, needs in deps.items():
+        for need in needs:
+            users[need].add(key)
+
+    def reach(key: str, seen: set[str]) -> set[str]:
+        for user in users[key] - seen:
+            seen.add(user)
+            reach(user, seen)
+        return seen
+
+    return {key: len(reach(key, set())) for key in deps}
+
+
 def cpu_count() -> int:
     """CPUs this process may run on (the affinity mask where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
@@ -563,13 +579,17 @@ def run_parallel(
     echo: Callable[[str], None], on_done: Callable[[Step, str, float], None],
 ) -> None:
     """Run the plan's steps, up to ``jobs`` at once, each in its own process with
-    ``threads`` CPU threads, a step once every step writing its inputs is done
-    (plan order among the ready ones). A failed step stops the others and
-    raises ``LipvitError`` naming its log; a rerun resumes."""
+    ``threads`` CPU threads, a step once every step writing its inputs is done.
+    Among the ready steps, those more steps wait on go first (the lipschitz
+    model, which certification and the gap figure need, before the others),
+    then plan order. A failed step stops the others and raises ``LipvitError``
+    naming its log; a rerun resumes."""
     deps = step_dependencies(plan)
     number = {step.key: i for i, step in enumerate(plan.steps, 1)}
+    waiting = downstream_counts(deps)
     total = len(plan.steps)
-    pending, running, finished = list(plan.steps), [], set()
+    pending = sorted(plan.steps, key=lambda s: (-waiting[s.key], number[s.key]))
+    running, finished = [], set()
     try:
         while pending or running:
             for step in [s for s in pending if deps[s.key] <= finished]:
