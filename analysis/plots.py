@@ -382,29 +382,35 @@ def plot_tightness(
 
 
 RATIO_CLIP = 30.0
-"""Upper end of the ratio panel: tightness factors beyond it are off the scale
-(annotated), so that factors such as 1× and 8× stay distinguishable."""
+"""Span of the ratio panel: factors above ``RATIO_CLIP`` times the tightest
+bound's (and above ``RATIO_CLIP``) are off the scale (annotated), so that
+factors such as 1× and 8× stay distinguishable."""
 
 
 def _ratio_panel(rax, eps: np.ndarray, means: Mapping[str, tuple],
                  p_mean: np.ndarray) -> None:
-    """``bound / PGD`` per ε, clipped to ``[~1, RATIO_CLIP]``; off-scale methods
-    are named with their range in the panel."""
-    off, shown = [], []
+    """``bound / PGD`` per ε, clipped to ``[~1, clip]`` with ``clip`` =
+    ``RATIO_CLIP`` × max(1, the tightest bound's smallest factor): the tightest
+    bound is always drawn; off-scale methods are named with their range above
+    the panel, one per line."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        for name, (mean, color, style) in means.items():
-            r = mean / p_mean
-            finite = r[np.isfinite(r)]
-            if finite.size and finite.min() > RATIO_CLIP:
-                off.append(f"{name}: {finite.min():.3g}–{finite.max():.3g}×")
-                continue
-            if finite.size and finite.max() > RATIO_CLIP:
-                off.append(f"{name}: up to {finite.max():.3g}×")
-            rax.plot(eps, np.minimum(r, RATIO_CLIP), marker="o", markersize=4,
-                     color=color, linestyle=style, label=name)
-            shown.append(finite)
+        ratios = {name: mean / p_mean for name, (mean, _, _) in means.items()}
+    finite = {name: r[np.isfinite(r)] for name, r in ratios.items()}
+    lows = [f.min() for f in finite.values() if f.size]
+    clip = RATIO_CLIP * max(1.0, min(lows, default=1.0))
+    off, shown = [], []
+    for name, (_, color, style) in means.items():
+        r, f = ratios[name], finite[name]
+        if f.size and f.min() > clip:
+            off.append(f"{name}: {f.min():.3g}–{f.max():.3g}×")
+            continue
+        if f.size and f.max() > clip:
+            off.append(f"{name}: up to {f.max():.3g}×")
+        rax.plot(eps, np.minimum(r, clip), marker="o", markersize=4,
+                 color=color, linestyle=style, label=name)
+        shown.append(f)
     values = np.concatenate(shown) if shown else np.array([1.0])
-    top = min(RATIO_CLIP, max(1.1, values.max() * 1.25))
+    top = min(clip, max(1.1, values.max() * 1.25))
     bottom = min(0.95, values.min() * 0.95)
     rax.axhline(1.0, color="black", linestyle=":", linewidth=1)
     if top / bottom >= 10:
@@ -413,7 +419,7 @@ def _ratio_panel(rax, eps: np.ndarray, means: Mapping[str, tuple],
     rax.set_ylabel("bound / PGD")
     rax.grid(True, which="both", alpha=0.25)
     if off:  # above the panel, clear of the curves
-        rax.set_title("off scale: " + "; ".join(off), loc="left", fontsize="small")
+        rax.set_title("off scale: " + "\n".join(off), loc="left", fontsize="small")
 
 
 def plot_spectra(

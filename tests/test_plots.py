@@ -94,6 +94,13 @@ def test_tightness_log_scale_and_ratio():
     assert {ln.get_label() for ln in mid.get_lines()} >= {"a", "b"}
     assert mid.get_ylim()[1] < P.RATIO_CLIP
     assert bottom.get_ylabel() == "bound / PGD" and bottom.get_xlabel() == "ε (ℓ2)"
+    # Every bound far off: the tightest is still drawn, the others named.
+    far = P.plot_tightness(EPS, {"thm": _band(1e58 * EPS), "LoFAST": _band(60 * EPS)},
+                           _band(EPS)).axes[1]
+    assert [ln.get_label() for ln in far.get_lines()
+            if not ln.get_label().startswith("_")] == ["LoFAST"]
+    assert far.get_title(loc="left") == "off scale: thm: 1e+58–1e+58×"
+    assert far.get_yscale() == "log" and 60 < far.get_ylim()[1] < 100
     single = P.plot_tightness(EPS, bounds, None)
     assert len(single.axes) == 1 and single.axes[0].get_yscale() == "log"
     with pytest.raises(ValueError, match="expected 4"):
