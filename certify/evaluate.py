@@ -208,8 +208,7 @@ def certify_samples(
         (:mod:`lipvit.certify.certification`).
     """
     _check(methods, eps_list)
-    model = float64_model(model)
-    model.eval()
+    model = float64_model(model)  # in eval mode
     x = x.to(torch.float64)
     n = x.shape[0]
     times: dict[

@@ -681,8 +681,7 @@ def run_plan(
         steps.setdefault(step.key, {})["command"] = step.line()
 
     def on_done(step: Step, status: str, seconds: float) -> None:
-        steps[step.key] = {"seconds": seconds, "status": status,
-                           "command": step.line()}
+        steps[step.key].update(seconds=seconds, status=status)
         C.write_json(record_path, record, force=True)
 
     if jobs > 1:
@@ -845,10 +844,10 @@ def pipeline(
     import torch
 
     before = torch.get_num_threads()
-    if threads or (dataset == "digits" and resolved.type == "cpu"):
+    digits_cpu = dataset == "digits" and resolved.type == "cpu"
+    if threads or digits_cpu:
         torch.set_num_threads(threads or 1)
-    job_threads = threads or (1 if dataset == "digits" and resolved.type == "cpu"
-                              else max(1, cpu_count() // jobs))
+    job_threads = threads or (1 if digits_cpu else max(1, cpu_count() // jobs))
     try:
         record = run_plan(plan, force=force, echo=click.echo, meta=meta, jobs=jobs,
                           job_threads=job_threads)
