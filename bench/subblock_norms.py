@@ -2,9 +2,10 @@
 
 For the attention sub-block ``s ↦ s + attn(N(s))`` of every block, on the test
 points of a checkpoint (the same seeded subsample as ``lipvit certify --n``):
-the product bound ``1 + ‖J_a‖ ‖J_N‖``, the structured bound of a lipschitz
-block (:func:`lipvit.certify.subblock.projected_subblock_norm`; both are what
-the ``taylor`` budget recursion uses for large models), and the exact norm that
+the product bound ``1 + ‖J_a‖ ‖J_N‖``, the structured bound
+(:func:`lipvit.certify.subblock.subblock_bound`, LayerProject or LayerNorm
+blocks, softmax path by rows; both are what the ``taylor`` budget recursion
+uses for large models), and the exact norm that
 :func:`lipvit.certify.sites.subblock_norms` computes from the whole
 ``(N·D) × (N·D)`` Jacobian (docs/taylor.md §8); ranges over the points.
 
@@ -19,15 +20,14 @@ import argparse
 
 import torch
 from _points import float64_points
-from lipvit.certify.attention import bound_weights
 from lipvit.certify.local import (
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
 )
 from lipvit.certify.network import network_bound
-from lipvit.certify.remainders import attention_jacobian_norm, softmax_path
+from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward, subblock_norms
-from lipvit.certify.subblock import projected_subblock_norm, projection_structure
+from lipvit.certify.subblock import subblock_bound, with_row_gains
 
 
 def _range(t: torch.Tensor) -> str:
@@ -51,20 +51,15 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for k, block in enumerate(model.blocks):
             X, norm, ex = clean.stream[2 * k], block.norm1, exact.attn[:, k]
-            structured = s_ratio = "—"
             if model.config.family == "lipschitz":
                 L_N = layer_project_local_lipschitz(X, norm.radius, zero, norm.mode)
-                c, U = projection_structure(X, norm.radius, norm.mode)
-                W_v, W_o = bound_weights(block.attn)[2:]
-                bound = projected_subblock_norm(
-                    torch.softmax(terms[k].logits, -1), W_v, W_o, c, U,
-                    softmax_path(terms[k]))
-                structured, s_ratio = _range(bound), _range(bound / ex)
             else:
                 L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, zero)
             product = 1 + attention_jacobian_norm(terms[k]) * L_N
-            print(f"| {k} | {_range(product)} | {structured} | {_range(ex)} "
-                  f"| {_range(product / ex)} | {s_ratio} |")
+            bound = subblock_bound(block, X, with_row_gains(block, clean.attn_in[k],
+                                                            terms[k]))
+            print(f"| {k} | {_range(product)} | {_range(bound)} | {_range(ex)} "
+                  f"| {_range(product / ex)} | {_range(bound / ex)} |")
 
 
 if __name__ == "__main__":

@@ -747,7 +747,8 @@ class LoFASTTerms:
         zeta: ζ(X), eq. (15).
         m_norm: ``‖M_h(X)‖``, Lemma 2.
         xi: ξ_h(X), eq. (26) (exact SVDs).
-        xm_norm: ``‖X W_vo[h]‖``; xm_centred: ``‖Π X W_vo[h]‖``, ``Π = I − 11ᵀ/N``.
+        xm_norm: ``‖X W_vo[h]‖``; xm_centred: ``‖Π X W_vo[h]‖``, ``Π = I − 11ᵀ/N``;
+            xm_rows: the largest row norm of ``Π X W_vo[h]`` (``≤ xm_centred``).
         vo_norm: ``‖W_vo[h]‖`` ``(H,)``; qk_norm: ``‖W_qk[h]‖`` ``(H,)``.
         p_norm: ``‖P_h(X)‖``.
         logits: scaled logits ``(B, H, N, N)`` (for the local softmax constant).
@@ -756,6 +757,10 @@ class LoFASTTerms:
         exact: whether ζ and ``‖M_h(X)‖`` are guaranteed upper bounds.
         method: how ζ and ``‖M_h(X)‖`` were obtained.
         out_dtype: dtype of the returned bounds (that of ``X``).
+        row_gain: optional ``(B, N)``, per query row ``r`` an upper bound on
+            ``‖[(X W_vo[h])ᵀ Ds(p_{h,r})]_h‖``, the softmax path's gain from the
+            row's logit changes (all heads) to its output
+            (:func:`lipvit.certify.remainders.softmax_row_gains`; taylor sets it).
     """
 
     zeta: Tensor
@@ -763,6 +768,7 @@ class LoFASTTerms:
     xi: Tensor
     xm_norm: Tensor
     xm_centred: Tensor
+    xm_rows: Tensor
     vo_norm: Tensor
     qk_norm: Tensor
     p_norm: Tensor
@@ -772,6 +778,7 @@ class LoFASTTerms:
     exact: bool
     method: str
     out_dtype: torch.dtype
+    row_gain: Tensor | None = None
 
     def bound(self, eps: float | Tensor) -> LoFASTBound:
         """All LoFAST bounds at radius ``eps`` (a float or a ``(B,)`` tensor)."""
@@ -858,6 +865,7 @@ def lofast_terms(
     zeta = _key_sensitivity(P, Wv, Wo, residual, exact, n_iter, tol)  # (B,)
     m_norm = _lemma2_norm(Xw, Wq, Wk, exact, n_iter, tol)  # (B, H)
     XM = torch.einsum("bnD,hDE->bhnE", Xw, W_vo)  # (B, H, N, D)
+    XM_c = XM - XM.mean(dim=-2, keepdim=True)  # Π X W_vo[h]
     xi = (spectral_norm(torch.einsum("bnD,hED->bhnE", Xw, W_qk))  # ‖A Xᵀ‖ = ‖X Aᵀ‖
           + spectral_norm(torch.einsum("bnD,hDE->bhnE", Xw, W_qk)))  # + ‖X A‖, eq. (26)
     return LoFASTTerms(
@@ -865,7 +873,8 @@ def lofast_terms(
         m_norm=m_norm.value,
         xi=xi,
         xm_norm=spectral_norm(XM),
-        xm_centred=spectral_norm(XM - XM.mean(dim=-2, keepdim=True)),
+        xm_centred=spectral_norm(XM_c),
+        xm_rows=torch.linalg.vector_norm(XM_c, dim=-1).amax(-1),
         vo_norm=spectral_norm(W_vo),
         qk_norm=spectral_norm(W_qk),
         p_norm=spectral_norm(P),

@@ -298,26 +298,6 @@ def gelu_curvature(z: Tensor, delta: Tensor) -> Tensor:
 # --------------------------------------------------------------------------
 
 
-def softmax_curvature_constant(logits: Tensor, logit_radius: Tensor) -> Tensor:
-    """``c₂`` with ``‖s(z+u) − s(z) − Ds(z)u‖ ≤ c₂ ‖u‖²`` per row, docs/taylor.md §7.
-
-    ``D²s(z)[u,u] = p ⊙ ((u − ū)² − Var_p(u))`` has ℓ1 norm ``≤ 2 Var_p(u) ≤
-    2 min(max_k p_k, ½) ‖u‖²``; along the segment every ``p_k`` stays below
-    ``p_k e^{s}``, ``s = √2 ρ`` a bound on the logit spread. Integrating
-    ``(1 − t)`` gives ``c₂ = min(max_k p_k e^{s}, ½)``.
-
-    Args:
-        logits: clean scaled logits ``(..., N, N)``.
-        logit_radius: ``ρ`` ``(...)``, a bound on every row's logit change.
-
-    Returns:
-        ``(...)``: the largest constant over rows, ``≤ ½``.
-    """
-    s = (math.sqrt(2) * logit_radius)[..., None, None]
-    hi = torch.exp((torch.log_softmax(logits, dim=-1) + s).clamp(max=0))
-    return hi.amax(dim=(-2, -1)).clamp(max=0.5)
-
-
 def attention_jacobian_norm(terms: LoFASTTerms) -> Tensor:
     """Upper bound on ``‖J_a‖`` of bare attention (``H = 0``), docs/taylor.md §7.
 
@@ -331,10 +311,62 @@ def attention_jacobian_norm(terms: LoFASTTerms) -> Tensor:
 
 
 def softmax_path(terms: LoFASTTerms) -> Tensor:
-    """``Σ_h c_h ‖M_h(X)‖ ‖Π X M_h‖/√d`` ``(B,)``: the softmax path's share of
-    ``‖J_a‖`` (:func:`attention_jacobian_norm`)."""
+    """A bound ``(B,)`` on the softmax path's share ``‖S‖`` of ``‖J_a‖``
+    (:func:`attention_jacobian_norm`): ``Σ_h c_h ‖M_h(X)‖ ‖Π X W_vo[h]‖/√d``
+    (docs/taylor.md §7) or, where ``terms.row_gain`` is set and it is smaller,
+    ``max_r R_r ‖M‖/√d`` (docs/taylor.md §8, "Softmax path by rows")."""
     c0 = softmax_local_constant(terms.logits, torch.zeros_like(terms.m_norm))  # (B, H)
-    return (c0 * terms.m_norm * terms.xm_centred).sum(-1) / math.sqrt(terms.head_dim)
+    heads = (c0 * terms.m_norm * terms.xm_centred).sum(-1) / math.sqrt(terms.head_dim)
+    rows = _softmax_rows(terms)
+    return heads if rows is None else torch.minimum(heads, rows.amax(-1))
+
+
+def _softmax_rows(terms: LoFASTTerms) -> Tensor | None:
+    """``R_r ‖M‖/√d`` ``(B, N)``, ``‖M‖ ≤ (Σ_h ‖M_h(X)‖²)^½`` the norm of all
+    heads' logit maps stacked: a bound on the softmax path's output row ``r``
+    per unit ``‖Γ‖_F``; ``None`` without ``terms.row_gain``."""
+    if terms.row_gain is None:
+        return None
+    stacked = torch.linalg.vector_norm(terms.m_norm, dim=-1)  # (B,)
+    return terms.row_gain * (stacked / math.sqrt(terms.head_dim))[:, None]
+
+
+_ROW_BYTES = 2**26
+"""Largest ``(B, H, rows, N, D)`` block :func:`softmax_row_gains` holds at once."""
+
+_U = torch.finfo(torch.float64).eps / 2
+
+
+def softmax_row_gains(P: Tensor, V: Tensor) -> Tensor:
+    """``R_r ≥ ‖[V_hᵀ Ds(p_{h,r})]_h‖`` per query row ``r`` ``(B, N)``, taylor.md §8.
+
+    Row ``r`` of the softmax path's output is ``Σ_h V_hᵀ Ds(p_{h,r}) u_{h,r}``
+    (``u_{h,r}`` the row's logit change in head ``h``, ``Ds(p) = diag(p) − ppᵀ``
+    the softmax Jacobian), so it is at most ``R_r ‖(u_{h,r})_h‖``. The columns
+    of ``Ds(p)V`` are ``p_k (v_k − pᵀV)``; ``R_r² = λ_max`` of their Gram
+    matrix (``(H·N)²`` or ``D²``, the smaller), from ``eigvalsh`` with a
+    relative ``10⁻¹⁰`` (float64 rounding of a Gram of rank ≤ ``D``, far below
+    it at these sizes) and an absolute ``8u √H max ‖v_k‖`` for the rounding of
+    ``v_k − pᵀV``.
+
+    Args:
+        P: attention matrices ``(B, H, N, N)``, float64.
+        V: ``X W_vo[h]`` ``(B, H, N, D)``, float64.
+    """
+    B, H, N, D = V.shape
+    PV = P @ V  # (B, H, N, D): pᵀV per row
+    step = max(1, _ROW_BYTES // (8 * B * H * N * D))
+    out = []
+    for r in range(0, N, step):
+        p = P[:, :, r:r + step]  # (B, H, c, N)
+        # (B, H, c, N, D): column k of Ds(p_r) V is p_k (v_k − p_rᵀV)
+        W = p[..., None] * (V[:, :, None] - PV[:, :, r:r + step, None])
+        W = W.permute(0, 2, 1, 3, 4).flatten(2, 3)  # (B, c, H·N, D)
+        G = W @ W.mT if H * N <= D else W.mT @ W
+        out.append(torch.linalg.eigvalsh(G)[..., -1].clamp_min(0).sqrt())  # (B, c)
+    v_max = torch.linalg.vector_norm(V, dim=-1).amax((-2, -1))  # (B,)
+    rounding = 8 * _U * math.sqrt(H) * v_max
+    return torch.cat(out, dim=-1) * (1 + 1e-10) + rounding[:, None]
 
 
 def attention_row_norms(terms: LoFASTTerms) -> Tensor:
@@ -342,11 +374,14 @@ def attention_row_norms(terms: LoFASTTerms) -> Tensor:
     docs/taylor.md §8: the value path's row ``Σ_h P_h[t,:] Γ W_vo[h]`` is at
     most ``Σ_h ‖P_h[t,:]‖₂ ‖W_vo[h]‖ ‖Γ‖_F`` (Cauchy–Schwarz over tokens), the
     softmax path's at most its whole-matrix bound (as in
-    :func:`attention_jacobian_norm`). A near-uniform attention gives about
-    ``1/√N`` of the whole norm."""
+    :func:`attention_jacobian_norm`) and, with ``terms.row_gain``, at most
+    ``R_t ‖M‖/√d``. A near-uniform attention gives about ``1/√N`` of the whole
+    norm."""
     P = torch.softmax(terms.logits, dim=-1)  # (B, H, N, N)
     value = (torch.linalg.vector_norm(P, dim=-1) * terms.vo_norm[:, None]).sum(1)
-    return value + softmax_path(terms)[:, None]
+    soft = softmax_path(terms)[:, None]
+    rows = _softmax_rows(terms)
+    return value + (soft if rows is None else torch.minimum(soft, rows))
 
 
 def attention_remainder(
@@ -359,12 +394,18 @@ def attention_remainder(
 
         r = Σ_h (Ds[Γ A_h Γᵀ/√d] + r_s(ΔS_h)) Π X M_h + Σ_h (P_h' − P_h) Γ M_h
 
-    and ``‖r‖ ≤ Σ_h (c_h‖A_h‖β²/√d + c₂_h ρ_h²) ‖Π X M_h‖
+    and ``‖r‖ ≤ Σ_h (c_h‖A_h‖β²/√d + c'_h ρ_h²) ‖Π X M_h‖
     + min(c'_h ρ_h, √(2N)) ‖M_h‖ β`` with ``c_h`` the softmax Jacobian norm at
-    ``S_h``, ``c'_h`` its local constant on the reachable logits
-    (:func:`lipvit.certify.lofast.softmax_local_constant`) and ``c₂_h``
-    (:func:`softmax_curvature_constant`). ``(B,)``; ``terms`` of the bare
-    attention at its clean input (any ``H``: the residual has no remainder).
+    ``S_h`` and ``c'_h`` its local constant on the reachable logits
+    (:func:`lipvit.certify.lofast.softmax_local_constant`), which also bounds
+    the softmax's curvature: ``D²s(z)[u,u] = p ⊙ ((u − ū)² − Var_p(u))`` has ℓ1
+    norm ``≤ 2 Var_p(u) = 2 uᵀDs(p)u ≤ 2 ‖Ds(p)‖ ‖u‖²``, so integrating
+    ``(1 − t)`` along the segment gives ``‖r_s(u)‖₁ ≤ c' ‖u‖²``. Every row of
+    ``Ds[·]`` and ``r_s`` sums to zero, so each meets ``Π X M_h`` through
+    ℓ1 × its largest row (``terms.xm_rows``) where that is smaller than the
+    spectral norm: ``‖Ds(p)w‖₁ ≤ Var_p(w)^½ ≤ c^½ ‖w‖``. ``(B,)``; ``terms``
+    of the bare attention at its clean input (any ``H``: the residual has no
+    remainder).
     ``logit_radius`` ``(B, H)``: an optional tighter bound on ``‖ΔS_h‖_F``
     (e.g. from the exact Jacobian image → logits, docs/taylor.md §7); the
     smaller of it and ``ρ_h`` is used.
@@ -377,7 +418,8 @@ def attention_remainder(
         rho = torch.minimum(rho, logit_radius)
     c0 = softmax_local_constant(terms.logits, torch.zeros_like(rho))
     c_loc = softmax_local_constant(terms.logits, rho)
-    c2 = softmax_curvature_constant(terms.logits, rho)
-    second = (c0 * terms.qk_norm * b**2 / sqrt_d + c2 * rho**2) * terms.xm_centred
+    quad = torch.minimum(c0 * terms.xm_centred, c0.sqrt() * terms.xm_rows)
+    curv = torch.minimum(terms.xm_centred, terms.xm_rows)
+    second = quad * terms.qk_norm * b**2 / sqrt_d + c_loc * rho**2 * curv
     cross = torch.minimum(c_loc * rho, torch.full_like(rho, math.sqrt(2 * N)))
     return (second + cross * terms.vo_norm * b).sum(-1)

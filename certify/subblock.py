@@ -1,29 +1,37 @@
-"""A structured, matrix-free bound on a lipschitz attention sub-block's Jacobian norm.
+"""A structured, matrix-free bound on an attention sub-block's Jacobian norm.
 
 The taylor certificate's budget recursion needs ``λ ≥ ‖I + J_a J_N‖``, the
-clean-point Jacobian of ``s ↦ s + attn(P₁(s))`` (docs/taylor.md §8). Its
+clean-point Jacobian of ``s ↦ s + attn(N(s))`` (docs/taylor.md §8). Its
 product bound ``1 + ‖J_a‖ ‖J_N‖`` is 1.4–1.7× the exact norm on a
-Fashion-MNIST model, and the exact norm needs the ``(N·D) × (N·D)``
-Jacobian. Here the LayerProject's Jacobian is a scaled projection, so the
-sub-block is a Kronecker-structured residual map on the complement of at most
-``N`` known directions, and its norm follows from the structured ζ certificate
-(:mod:`lipvit.certify.structured`) and an ``r × r`` eigenproblem
-(docs/taylor.md §8, "Projected sub-blocks"; ours).
+Fashion-MNIST lipschitz model and 15–140× on standard ones, and the exact norm
+needs the ``(N·D) × (N·D)`` Jacobian. Here the norm's Jacobian is a scaling
+of a projection: a LayerProject's removes at most ``N`` known directions, a
+LayerNorm's removes each token's mean and (nearly) its centred direction and
+scales the features by ``γ``. The value path is then a Kronecker-structured
+residual map on the complement of known directions, and its norm follows
+from the structured ζ certificate (:mod:`lipvit.certify.structured`) and
+``r × r`` eigenproblems (docs/taylor.md §8, "Projected sub-blocks"; ours).
 
 Notation: ``Γ`` an ``N × D`` token matrix, ``K Γ = Σ_h P_h Γ W_vo[h]`` the
-value path, ``S`` the softmax path (``‖S‖ ≤ σ``, its product bound), ``J_N``
-the projection's Jacobian: on token ``t`` (or on the whole matrix in
-Frobenius mode) ``c (I − x̂x̂ᵀ)`` with ``c = R/‖x‖`` where ``‖x‖ > R``, the
-identity elsewhere. Pure functions of tensors.
+value path, ``S`` the softmax path, ``J_N`` the norm's Jacobian: for a
+LayerProject on token ``t`` (or on the whole matrix in Frobenius mode)
+``c (I − x̂x̂ᵀ)`` with ``c = R/‖x‖`` where ``‖x‖ > R``, the identity elsewhere.
+Pure functions of tensors.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-from lipvit.certify.attention import value_output
-from lipvit.certify.lofast import zeta_from_attention
+from lipvit.certify.attention import bound_weights, value_output
+from lipvit.certify.local import layernorm_local_lipschitz
+from lipvit.certify.lofast import LoFASTTerms, zeta_from_attention
+from lipvit.certify.remainders import softmax_path, softmax_row_gains
 from lipvit.certify.tangents import top_root
 from torch import Tensor
+
+from lipvit.layers import LayerProject
 
 _SLACK = 1e-10
 """Relative margin on the ``r × r`` part (float64 rounding of ``K'ᵀU`` and its
@@ -55,10 +63,38 @@ def projection_structure(X: Tensor, radius: float, mode: str) -> tuple[Tensor, T
     return c, U
 
 
+def layernorm_structure(X: Tensor, ln) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``J_N = D_c (I − U Λ Uᵀ) diag(γ)`` of a LayerNorm ``ln`` at ``X`` ``(B, N, D)``.
+
+    On token ``t`` (``x_c`` the centred token, ``s = (‖x_c‖²/D + η)^½``) the
+    Jacobian is ``(1/s) diag(γ)(I − 11ᵀ/D − ρ ûûᵀ)``, ``û = x_c/‖x_c‖``,
+    ``ρ = ‖x_c‖²/(‖x_c‖² + Dη)`` (the map of
+    :class:`~lipvit.certify.linearized.Linearized`; ``û ⊥ 1``). Returns
+    ``c = 1/s`` ``(B, N)``; ``γ`` ``(D,)`` (ones without an affine weight);
+    ``U`` ``(B, 2N, N, D)``: ``e_t ⊗ 1/√D`` then ``e_t ⊗ û_t`` (zero where
+    ``x_c = 0``); ``kept = 1 − Λ`` ``(B, 2N)``: 0 on the mean directions,
+    ``1 − ρ_t`` on ``û_t``. ``diag(γ)`` commutes into the value path's weights.
+    """
+    B, N, D = X.shape
+    x_c = X - X.mean(-1, keepdim=True)
+    n2 = x_c.square().sum(-1)  # (B, N) = ‖x_c‖²
+    c = (n2 / D + ln.eps).rsqrt()
+    norm = n2.sqrt()
+    u = torch.where(norm[..., None] > 0, x_c / norm.clamp_min(1e-300)[..., None], 0.0)
+    vecs = torch.cat([torch.full_like(X, D**-0.5), u], 1)  # (B, 2N, D): j's vector
+    U = X.new_zeros(B, 2 * N, N, D)
+    j = torch.arange(2 * N, device=X.device)
+    U[:, j, j % N] = vecs  # direction j lives on token j mod N
+    kept = torch.cat([torch.zeros_like(n2), ln.eps * D / (n2 + ln.eps * D)], 1)
+    gamma = ln.weight if ln.weight is not None else torch.ones_like(X[0, 0])
+    return c, gamma, U, kept
+
+
 def projected_subblock_norm(
-    P: Tensor, W_v: Tensor, W_o: Tensor, c: Tensor, U: Tensor, sigma: Tensor
+    P: Tensor, W_v: Tensor, W_o: Tensor, c: Tensor, U: Tensor, softmax: Tensor,
+    kept: Tensor | None = None,
 ) -> Tensor:
-    """Upper bound ``(B,)`` on ``‖I + (K + S) J_N‖``, ``J_N = D_c (I − UUᵀ)``.
+    """Upper bound ``(B,)`` on ``‖I + (K + S) J_N‖``, ``J_N = D_c (I − UΛUᵀ)``.
 
     With ``K' = K D_c`` (the attention matrices' columns scaled by ``c``:
     still Kronecker) and ``A = I + K'``, ``I + K' (I − UUᵀ) = A (I − UUᵀ) +
@@ -68,14 +104,18 @@ def projected_subblock_norm(
 
     with ``a ≥ ‖A‖`` (the residual ζ certificate of ``P D_c``) and ``b =
     ‖(I − UUᵀ) K'ᵀ U‖`` (``Uᵀ A w_⊥ = ((I − UUᵀ) Aᵀ U)ᵀ w_⊥``, and ``Aᵀ U =
-    U + K'ᵀ U``): at most ``λ_max([[a², b], [b, 1]])``. The softmax path adds
-    at most ``σ ‖J_N‖ = σ max c``.
+    U + K'ᵀ U``): at most ``λ_max([[a², b], [b, 1]])``. Where ``J_N`` keeps a
+    fraction ``1 − Λ`` of the directions ``U`` (a LayerNorm's ``û_t``,
+    :func:`layernorm_structure`), ``I − UΛUᵀ = (I − UUᵀ) + U(I − Λ)Uᵀ`` adds
+    ``K' U (I − Λ) s``, at most ``‖K' U (I − Λ)‖ ‖s‖`` (an ``r × r`` Gram
+    matrix). The softmax path adds at most ``‖S J_N‖``.
 
     Args:
         P: attention matrices ``(B, H, N, N)``, float64.
         W_v: ``(H, D, d)``; W_o: ``(H, d, D)``.
-        c, U: :func:`projection_structure`.
-        sigma: ``(B,)``, a bound on the softmax path's ``‖S‖``.
+        c, U: :func:`projection_structure` or :func:`layernorm_structure`.
+        softmax: ``(B,)``, a bound on the softmax path's ``‖S J_N‖``.
+        kept: ``(B, r)``, ``1 − Λ``; ``None``: every direction removed.
     """
     Pc = P * c[:, None, None, :]  # (B, H, N, N): P_h D_c
     a = zeta_from_attention(Pc, W_v, W_o, residual=True)
@@ -83,9 +123,48 @@ def projected_subblock_norm(
     V = torch.einsum("bhsn,brsd,hed->brne", Pc, U, W_vo)  # (B, r, N, D): K'ᵀ U
     coef = torch.einsum("brnd,bqnd->brq", U, V)  # (B, r, r): Uᵀ K'ᵀ U
     V_perp = V - torch.einsum("brq,brnd->bqnd", coef, U)  # (I − UUᵀ) K'ᵀ U
-    flat = V_perp.flatten(2)  # (B, r, N·D)
-    b = top_root(flat @ flat.transpose(1, 2)) * (1 + _SLACK)  # (B,)
+    b = _top(V_perp)
     a2 = a.square()
     half = (a2 - 1) / 2
     lam2 = (a2 + 1) / 2 + torch.sqrt(half.square() + b.square())
-    return lam2.sqrt() * (1 + _SLACK) + sigma * c.amax(-1)
+    lam = lam2.sqrt() * (1 + _SLACK) + softmax
+    if kept is None:
+        return lam
+    KU = torch.einsum("bhns,brsd,hde->brne", Pc, U, W_vo)  # (B, r, N, D): K' U
+    return lam + _top(KU * kept[..., None, None])
+
+
+def _top(W: Tensor) -> Tensor:
+    """``‖[W_1 … W_r]‖`` ``(B,)`` of ``r`` token matrices ``(B, r, N, D)`` as
+    columns, from their ``r × r`` Gram matrix, rounded up."""
+    flat = W.flatten(2)  # (B, r, N·D)
+    return top_root(flat @ flat.transpose(1, 2)) * (1 + _SLACK)
+
+
+def with_row_gains(block, attn_in: Tensor, terms: LoFASTTerms) -> LoFASTTerms:
+    """``terms`` of ``block``'s attention at its clean input ``attn_in``
+    ``(B, N, D)`` with the softmax path's row gains set
+    (:func:`~lipvit.certify.remainders.softmax_row_gains`)."""
+    W_v, W_o = bound_weights(block.attn)[2:]
+    V = torch.einsum("bnD,hDE->bhnE", attn_in, value_output(W_v, W_o))  # (B, H, N, D)
+    P = torch.softmax(terms.logits, dim=-1)  # (B, H, N, N)
+    return replace(terms, row_gain=softmax_row_gains(P, V))
+
+
+def subblock_bound(block, X: Tensor, terms: LoFASTTerms) -> Tensor:
+    """Upper bound ``(B,)`` on ``‖I + J_a J_N‖`` of ``block``'s attention
+    sub-block at its clean input ``X`` ``(B, N, D)`` (a LayerProject or a
+    LayerNorm ``norm1``), :func:`projected_subblock_norm`; ``terms``: the bare
+    attention's at ``norm1(X)`` (with row gains, :func:`with_row_gains`, for
+    the tighter softmax path)."""
+    norm = block.norm1
+    W_v, W_o = bound_weights(block.attn)[2:]
+    P = torch.softmax(terms.logits, dim=-1)
+    if isinstance(norm, LayerProject):
+        c, U = projection_structure(X, norm.radius, norm.mode)
+        softmax = softmax_path(terms) * c.amax(-1)  # ‖J_N‖ = max c
+        return projected_subblock_norm(P, W_v, W_o, c, U, softmax)
+    c, gamma, U, kept = layernorm_structure(X, norm)
+    L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, torch.zeros_like(c[:, 0]))
+    return projected_subblock_norm(P, gamma[:, None] * W_v, W_o, c, U,
+                                   softmax_path(terms) * L_N, kept)

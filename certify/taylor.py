@@ -57,7 +57,6 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-from lipvit.certify.attention import bound_weights
 from lipvit.certify.certification import certified_radius, falsi_radius, float64_model
 from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.linearized import Linearized
@@ -78,7 +77,6 @@ from lipvit.certify.remainders import (
     layer_project_remainder,
     layer_project_split,
     layernorm_curvature,
-    softmax_path,
 )
 from lipvit.certify.sites import (
     SITES,
@@ -92,7 +90,7 @@ from lipvit.certify.sites import (
     site_gradients,
     subblock_norms,
 )
-from lipvit.certify.subblock import projected_subblock_norm, projection_structure
+from lipvit.certify.subblock import subblock_bound, with_row_gains
 from lipvit.certify.symbols import (
     Carried,
     default_max_symbols,
@@ -142,17 +140,14 @@ class AttentionGains(NamedTuple):
 
 
 def _attention_gains(
-    terms, L_N: Tensor, exact: SubBlockNorms | None, k: int,
-    structured: Tensor | None = None,
+    terms, L_N: Tensor, exact: SubBlockNorms | None, k: int, structured: Tensor,
 ) -> AttentionGains:
     """:class:`AttentionGains` of block ``k``: the product bounds, or the exact
     norms where :func:`subblock_norms` ran and ``structured`` (a bound on the
-    sub-block's norm, :func:`~lipvit.certify.subblock.projected_subblock_norm`)
-    where they are smaller."""
+    sub-block's norm, :func:`~lipvit.certify.subblock.subblock_bound`) where
+    they are smaller."""
     J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)
-    lam = _tighter(1 + J_a * L_N, exact, "attn", k)
-    if structured is not None:
-        lam = torch.minimum(lam, structured)
+    lam = torch.minimum(_tighter(1 + J_a * L_N, exact, "attn", k), structured)
     rows = torch.minimum(attention_row_norms(terms), J_a[:, None])
     return AttentionGains(J_a, lam, rows, L_N)
 
@@ -341,11 +336,7 @@ def _lipschitz_block(
     L2_0 = layer_project_local_lipschitz(
         X_mid, P2.radius, zero, "token", per_token=True
     )
-    c, U = projection_structure(X, P1.radius, P1.mode)
-    W_v, W_o = bound_weights(block.attn)[2:]
-    structured = projected_subblock_norm(
-        torch.softmax(terms.logits, dim=-1), W_v, W_o, c, U, softmax_path(terms))
-    gains = _attention_gains(terms, L1_0, exact, k, structured)
+    gains = _attention_gains(terms, L1_0, exact, k, subblock_bound(block, X, terms))
     w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
     m_mid = 2 * k + 1
 
@@ -454,7 +445,7 @@ def _standard_block(
     zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
     L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
     L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
-    gains = _attention_gains(terms, L1_0, exact, k)
+    gains = _attention_gains(terms, L1_0, exact, k, subblock_bound(block, X, terms))
     W1 = block.mlp.fc1.weight  # (m, D)
     w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
     W2_norm = spectral_norm(block.mlp.fc2.weight)
@@ -672,10 +663,9 @@ def taylor_bound(
             if model.config.family == "lipschitz"
             else _standard_block
         )
-        blocks = [
-            make(model, k, clean, terms, jn, exact)
-            for k, terms in enumerate(chain.attention_terms)
-        ]
+        terms = [with_row_gains(block, clean.attn_in[k], t) for k, (block, t)
+                 in enumerate(zip(model.blocks, chain.attention_terms, strict=True))]
+        blocks = [make(model, k, clean, t, jn, exact) for k, t in enumerate(terms)]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
         # Blocks whose Frobenius norm1 projects some sample (§3, direction-aware).
         frobenius = [k for k, block in enumerate(model.blocks)

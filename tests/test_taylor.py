@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torchattacks
 from click.testing import CliRunner
 from lipvit.analysis.pgd import pgd_deviation, pgd_margin_drop
-from lipvit.certify.attention import attention
+from lipvit.certify.attention import attention, value_output
 from lipvit.certify.certification import bisect_radius, falsi_radius
 from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.lofast import lofast_terms
+from lipvit.certify.lofast import lofast_terms, softmax_local_constant
 from lipvit.certify.remainders import (
     GELU_CURVATURE_MAX,
     attention_jacobian_norm,
@@ -27,7 +28,7 @@ from lipvit.certify.remainders import (
     layer_project_split,
     layernorm_curvature,
     relu_remainder,
-    softmax_curvature_constant,
+    softmax_row_gains,
 )
 from lipvit.certify.taylor import forward, taylor_bound
 
@@ -279,16 +280,40 @@ F = torch.nn.functional
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("scale", [0.1, 1.0, 5.0])
 def test_softmax_curvature_brute_force(seed, scale):
+    """The softmax's remainder has ℓ1 norm at most ``c' ρ²``, ``c'`` its local
+    Lipschitz constant (attention_remainder's curvature constant): sampled,
+    and by PGD on ``‖r‖₂`` and on ``σᵀr`` for sign vectors ``σ``."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(1, 6, generator=g, dtype=F64) * scale
     r = _remainder_fn(lambda v: torch.softmax(v, -1), z)
+    signs = torch.randint(0, 2, (4, 6), generator=g).to(F64) * 2 - 1
     for rho in (0.01, 0.3, 2.0):
-        c2 = softmax_curvature_constant(z[None], torch.tensor([rho], dtype=F64))[0]
+        c2 = softmax_local_constant(z[None], torch.tensor([rho], dtype=F64))[0]
+        G = torch.randn(200, 1, 6, generator=g, dtype=F64)
+        G = rho * G / G.flatten(1).norm(dim=1)[:, None, None]
         found = max(
-            _sampled_max(r, z, rho, seed=seed),
+            r(z + G).abs().sum(-1).max(),
             pgd_deviation(r, z[None], rho, steps=40, restarts=2)[0],
+            *(pgd_deviation(lambda U, s=s: (r(U) * s).sum(-1, keepdim=True),
+                            z[None], rho, steps=40, restarts=1)[0] for s in signs),
         )
         assert found <= c2 * rho**2 * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("N, D, H", [(1, 4, 1), (5, 3, 2), (4, 8, 3)])  # H·N ≤ D and >
+def test_softmax_row_gains_are_the_dense_row_norms(seed, N, D, H):
+    """``R_r = ‖[V_hᵀ Ds(p_{h,r})]_h‖`` from the dense softmax Jacobians, to
+    rounding, and never below it (the softmax path by rows against an
+    attention layer's dense Jacobian: the brute-force test below)."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.softmax(3 * torch.randn(2, H, N, N, generator=g, dtype=F64), dim=-1)
+    V = torch.randn(2, H, N, D, generator=g, dtype=F64)
+    R = softmax_row_gains(P, V)
+    Ds = torch.diag_embed(P) - P[..., :, None] * P[..., None, :]  # (2, H, N, N, N)
+    blocks = torch.einsum("bhrkl,bhlD->brDhk", Ds, V).reshape(2, N, D, H * N)
+    dense = torch.linalg.matrix_norm(blocks, ord=2)  # (2, N)
+    assert torch.all(dense <= R) and torch.allclose(R, dense, rtol=1e-9, atol=1e-12)
 
 
 def _layer(seed, N, D, H, qk_scale):
@@ -317,6 +342,13 @@ def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale
     rows = attention_row_norms(terms)[0]  # (N,): each output token's block of rows
     exact = torch.linalg.matrix_norm(J.reshape(N, 4, N * 4), ord=2)
     assert torch.all(exact <= rows * (1 + 1e-9))
+    # The softmax path by rows (docs/taylor.md §8): whole and per row.
+    P = torch.softmax(terms.logits, dim=-1)
+    V = torch.einsum("bnD,hDE->bhnE", X, value_output(W[2], W[3]))
+    by_rows = replace(terms, row_gain=softmax_row_gains(P, V))
+    assert torch.linalg.matrix_norm(J, ord=2) <= attention_jacobian_norm(by_rows)[0] * (
+        1 + 1e-9)
+    assert torch.all(exact <= attention_row_norms(by_rows)[0] * (1 + 1e-9))
     r = _remainder_fn(a, X[0])
     for beta in (1e-3, 0.05, 0.3):
         bound = attention_remainder(terms, torch.tensor([beta], dtype=F64))[0]
