@@ -27,7 +27,7 @@ from lipvit.certify.local import (
 from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward, subblock_norms
-from lipvit.certify.subblock import subblock_bound, with_row_gains
+from lipvit.certify.subblock import subblock_bound, with_softmax_gains
 
 
 def _range(t: torch.Tensor) -> str:
@@ -56,8 +56,8 @@ def main() -> None:
             else:
                 L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, zero)
             product = 1 + attention_jacobian_norm(terms[k]) * L_N
-            bound = subblock_bound(block, X, with_row_gains(block, clean.attn_in[k],
-                                                            terms[k]))
+            gains = with_softmax_gains(block, clean.attn_in[k], terms[k])
+            bound = subblock_bound(block, X, gains)
             print(f"| {k} | {_range(product)} | {_range(bound)} | {_range(ex)} "
                   f"| {_range(product / ex)} | {_range(bound / ex)} |")
 

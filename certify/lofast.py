@@ -761,6 +761,11 @@ class LoFASTTerms:
             ``‖[(X W_vo[h])ᵀ Ds(p_{h,r})]_h‖``, the softmax path's gain from the
             row's logit changes (all heads) to its output
             (:func:`lipvit.certify.remainders.softmax_row_gains`; taylor sets it).
+        var_gain, var_row: optional ``(B, H)``, bounds on ``Σ_r Var_{p_{h,r}}``
+            and on ``max_r Var_{p_{h,r}}`` of the logit changes ``M_h(X)[Γ]``
+            per unit ``‖Γ‖_F²`` (:func:`lipvit.certify.remainders.logit_variance_gain`,
+            :func:`~lipvit.certify.remainders.logit_row_variance_gain`; taylor
+            sets them).
     """
 
     zeta: Tensor
@@ -779,6 +784,8 @@ class LoFASTTerms:
     method: str
     out_dtype: torch.dtype
     row_gain: Tensor | None = None
+    var_gain: Tensor | None = None
+    var_row: Tensor | None = None
 
     def bound(self, eps: float | Tensor) -> LoFASTBound:
         """All LoFAST bounds at radius ``eps`` (a float or a ``(B,)`` tensor)."""

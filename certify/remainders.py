@@ -28,7 +28,12 @@ import math
 from typing import NamedTuple
 
 import torch
-from lipvit.certify.lofast import LoFASTTerms, softmax_local_constant
+from lipvit.certify.lofast import (
+    LoFASTTerms,
+    lemma2_reduced_factors,
+    softmax_local_constant,
+)
+from lipvit.certify.structured import certified_lambda_max_small, gamma, up
 from torch import Tensor
 
 #: ``max_x |GELU''(x)| = 2 φ(0) = √(2/π)`` (erf GELU; GELU'' = φ(x)(2 − x²)).
@@ -369,6 +374,81 @@ def softmax_row_gains(P: Tensor, V: Tensor) -> Tensor:
     return torch.cat(out, dim=-1) * (1 + 1e-10) + rounding[:, None]
 
 
+VARIANCE_EXACT_MAX = 1024
+"""Largest reduced size ``N·r`` at which :func:`logit_variance_gain` forms the
+whole weighted Gram matrix (an explicitly exact small-size mode, as
+:data:`lipvit.certify.sites.EXACT_MAX`); above it the two-part bound."""
+
+
+def logit_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tensor:
+    """``ν_h ≥ max_{‖Γ‖_F ≤ 1} Σ_r Var_{p_{h,r}}(M_h(X)[Γ]_r)`` ``(B, H)``, §7.
+
+    ``Var_p(u) = uᵀDs(p)u``, so ``ν_h = λ_max(M_hᵀ Ds_h M_h)``, ``Ds_h`` the
+    row-wise softmax Jacobians at ``P`` (block diagonal). In the reduced
+    coordinates of :func:`~lipvit.certify.lofast.lemma2_reduced_factors`
+    (``M_h Γ = L(ΓQ_h)``, ``L G = G Cᵀ + E Gᵀ``, ``G`` ``N × r``) its Gram
+    matrix is ``blockdiag_a(Cᵀ Ds_a C) + T + Tᵀ + Σ_i Ds_i ⊗ e_i e_iᵀ`` with
+    ``T[(a,b),(c,e)] = (Cᵀ Ds_a)_{bc} E_{ae}`` and ``e_i`` the rows of ``E``.
+    Up to ``N·r ≤`` :data:`VARIANCE_EXACT_MAX` its ``λ_max`` is certified
+    (Cholesky, plus the rounding of the Gram matrix); above it ``ν_h ≤
+    (max_a λ_max(CᵀDs_aC)^½ + c^½ ‖E‖)²`` (``Ds_i ≼ c I``, ``c`` the largest
+    softmax Jacobian norm), the split ``L = L₁ + L₂`` of its two terms.
+
+    Args:
+        X: ``(B, N, D)``; W_q, W_k: ``(H, D, d)``; P: ``(B, H, N, N)``; float64.
+    """
+    C, E = lemma2_reduced_factors(X, W_q, W_k)  # (B, H, N, r) each
+    B, H, N, r = C.shape
+    Ds = torch.diag_embed(P) - P[..., :, None] * P[..., None, :]  # (B, H, N, N, N)
+    first = C.mT[:, :, None] @ Ds @ C[:, :, None]  # (B, H, N, r, r): Cᵀ Ds_a C
+    if N * r > VARIANCE_EXACT_MAX:
+        c = torch.linalg.eigvalsh(Ds)[..., -1].amax(-1).clamp_min(0)  # (B, H)
+        lam1 = certified_lambda_max_small(first).amax(-1).clamp_min(0)
+        lamE = certified_lambda_max_small(E.mT @ E).clamp_min(0)
+        return up(lam1.sqrt() + up(c.sqrt() * lamE.sqrt()), 1e-10) ** 2
+    eye = torch.eye(N, dtype=X.dtype, device=X.device)
+    # (z, h) batch and head; (a, b), (c, e) the Gram matrix's row and column
+    G = torch.einsum("ac,zhabe->zhabce", eye, first)  # blockdiag_a(Cᵀ Ds_a C)
+    T = torch.einsum("zhjb,zhajc,zhae->zhabce", C, Ds, E)  # (Cᵀ Ds_a)_{bc} E_{ae}
+    G = G + T + T.permute(0, 1, 4, 5, 2, 3)
+    G = G + torch.einsum("zhiac,zhib,zhie->zhabce", Ds, E, E)  # Σ_i Ds_i ⊗ e_i e_iᵀ
+    # Rounding: every entry sums ≤ N² + 4 products, |Ds| ≤ 2 by rows and
+    # ‖L‖_F² = N(‖C‖_F² + ‖E‖_F²), so the Gram matrix is off by at most
+    fro2 = C.square().sum((-2, -1)) + E.square().sum((-2, -1))  # (B, H)
+    err = gamma(N * N + 4) * 2 * N * fro2
+    G = G.reshape(B, H, N * r, N * r)
+    lam = certified_lambda_max_small(G)  # +inf for G = 0 (N = 1): its λ_max is 0
+    return torch.where(G.abs().amax((-2, -1)) == 0, 0.0, lam) + up(err)
+
+
+def logit_row_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tensor:
+    """``ν̂_h ≥ max_r max_{‖Γ‖_F ≤ 1} Var_{p_{h,r}}(M_h(X)[Γ]_r)`` ``(B, H)``, §7.
+
+    Row ``r``'s logit change ``u_k = Γ_r·c_k + e_r·Γ_k`` (``c_k``, ``e_k`` the
+    rows of ``C = X A_hᵀ``, ``E = X A_h``) has the ``N × N`` Gram matrix
+    ``G_r = CCᵀ + (Ce_r)δ_rᵀ + δ_r(Ce_r)ᵀ + ‖e_r‖² I`` over ``‖Γ‖_F ≤ 1``, and
+    ``Var_p(u) = ‖F u‖²`` with ``F = (I − qqᵀ) diag(q)``, ``q = √p`` (``Ds(p) =
+    FᵀF``: ``I − qqᵀ`` is a projection), so ``ν̂ = max_r λ_max(F_r G_r F_rᵀ)``
+    (``eigvalsh``, with a relative ``10⁻¹⁰`` for rounding, as
+    :func:`softmax_row_gains`). Any size: ``(B, H, N, N, N)`` at once.
+
+    Args:
+        X: ``(B, N, D)``; W_q, W_k: ``(H, D, d)``; P: ``(B, H, N, N)``; float64.
+    """
+    C, E = lemma2_reduced_factors(X, W_q, W_k)  # (B, H, N, r); inner products kept
+    N = P.shape[-1]
+    q = P.sqrt()  # (B, H, N, N): row r is q_r
+    F = torch.diag_embed(q) - q[..., :, None] * P[..., None, :]  # (B, H, N, N, N)
+    FC = F @ C[:, :, None]  # (B, H, N, N, r): F_r C
+    Ce = C[:, :, None] @ E[..., None]  # (B, H, N, N, 1): C e_r, row r
+    Fd = F[..., torch.arange(N), :, torch.arange(N)].movedim(0, 2)[..., None]  # F_r δ_r
+    FCe = F @ Ce  # (B, H, N, N, 1)
+    S = FC @ FC.mT + FCe @ Fd.mT + Fd @ FCe.mT
+    S = S + E.square().sum(-1)[..., None, None] * (F @ F.mT)  # + ‖e_r‖² F_r F_rᵀ
+    lam = torch.linalg.eigvalsh(S)[..., -1].clamp_min(0)  # (B, H, N)
+    return lam.amax(-1) * (1 + 1e-10)
+
+
 def attention_row_norms(terms: LoFASTTerms) -> Tensor:
     """Upper bounds on ``‖(J_a Γ)_t‖/‖Γ‖_F`` per output token ``t``, ``(B, N)``,
     docs/taylor.md §8: the value path's row ``Σ_h P_h[t,:] Γ W_vo[h]`` is at
@@ -419,7 +499,15 @@ def attention_remainder(
     c0 = softmax_local_constant(terms.logits, torch.zeros_like(rho))
     c_loc = softmax_local_constant(terms.logits, rho)
     quad = torch.minimum(c0 * terms.xm_centred, c0.sqrt() * terms.xm_rows)
-    curv = torch.minimum(terms.xm_centred, terms.xm_rows)
-    second = quad * terms.qk_norm * b**2 / sqrt_d + c_loc * rho**2 * curv
+    # ‖(‖r_s(u_r)‖₁)_r‖₂ ≤ c′ρ², or e^{√2ρ} ‖(Var_p(u_r))_r‖₂ through the
+    # logit variance gains (ν̂ ν)^¼ of the linear part (docs/taylor.md §7)
+    total = c0 * terms.m_norm**2  # ≥ Σ_r Var_p(u_r) per unit ‖Γ‖²: Var ≤ c ‖u‖²
+    if terms.var_gain is not None:
+        total = torch.minimum(total, terms.var_gain)
+    row = total if terms.var_row is None else torch.minimum(total, terms.var_row)
+    std = ((row * total).sqrt().sqrt() * b + c0.sqrt() * terms.qk_norm * b**2) / sqrt_d
+    curv = torch.minimum(c_loc * rho**2, torch.exp(math.sqrt(2) * rho) * std**2)
+    second = (quad * terms.qk_norm * b**2 / sqrt_d
+              + curv * torch.minimum(terms.xm_centred, terms.xm_rows))
     cross = torch.minimum(c_loc * rho, torch.full_like(rho, math.sqrt(2 * N)))
     return (second + cross * terms.vo_norm * b).sum(-1)

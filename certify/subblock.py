@@ -27,7 +27,12 @@ import torch
 from lipvit.certify.attention import bound_weights, value_output
 from lipvit.certify.local import layernorm_local_lipschitz
 from lipvit.certify.lofast import LoFASTTerms, zeta_from_attention
-from lipvit.certify.remainders import softmax_path, softmax_row_gains
+from lipvit.certify.remainders import (
+    logit_row_variance_gain,
+    logit_variance_gain,
+    softmax_path,
+    softmax_row_gains,
+)
 from lipvit.certify.tangents import top_root
 from torch import Tensor
 
@@ -141,22 +146,27 @@ def _top(W: Tensor) -> Tensor:
     return top_root(flat @ flat.transpose(1, 2)) * (1 + _SLACK)
 
 
-def with_row_gains(block, attn_in: Tensor, terms: LoFASTTerms) -> LoFASTTerms:
+def with_softmax_gains(block, attn_in: Tensor, terms: LoFASTTerms
+                       ) -> LoFASTTerms:
     """``terms`` of ``block``'s attention at its clean input ``attn_in``
-    ``(B, N, D)`` with the softmax path's row gains set
-    (:func:`~lipvit.certify.remainders.softmax_row_gains`)."""
-    W_v, W_o = bound_weights(block.attn)[2:]
+    ``(B, N, D)`` with the softmax path's row gains and the logit variance
+    gains set (:func:`~lipvit.certify.remainders.softmax_row_gains`,
+    :func:`~lipvit.certify.remainders.logit_variance_gain`,
+    :func:`~lipvit.certify.remainders.logit_row_variance_gain`)."""
+    W_q, W_k, W_v, W_o = bound_weights(block.attn)
     V = torch.einsum("bnD,hDE->bhnE", attn_in, value_output(W_v, W_o))  # (B, H, N, D)
     P = torch.softmax(terms.logits, dim=-1)  # (B, H, N, N)
-    return replace(terms, row_gain=softmax_row_gains(P, V))
+    return replace(terms, row_gain=softmax_row_gains(P, V),
+                   var_gain=logit_variance_gain(attn_in, W_q, W_k, P),
+                   var_row=logit_row_variance_gain(attn_in, W_q, W_k, P))
 
 
 def subblock_bound(block, X: Tensor, terms: LoFASTTerms) -> Tensor:
     """Upper bound ``(B,)`` on ``‖I + J_a J_N‖`` of ``block``'s attention
     sub-block at its clean input ``X`` ``(B, N, D)`` (a LayerProject or a
     LayerNorm ``norm1``), :func:`projected_subblock_norm`; ``terms``: the bare
-    attention's at ``norm1(X)`` (with row gains, :func:`with_row_gains`, for
-    the tighter softmax path)."""
+    attention's at ``norm1(X)`` (with :func:`with_softmax_gains`'s row gains
+    for the tighter softmax path)."""
     norm = block.norm1
     W_v, W_o = bound_weights(block.attn)[2:]
     P = torch.softmax(terms.logits, dim=-1)

@@ -90,7 +90,7 @@ from lipvit.certify.sites import (
     site_gradients,
     subblock_norms,
 )
-from lipvit.certify.subblock import subblock_bound, with_row_gains
+from lipvit.certify.subblock import subblock_bound, with_softmax_gains
 from lipvit.certify.symbols import (
     Carried,
     default_max_symbols,
@@ -663,7 +663,7 @@ def taylor_bound(
             if model.config.family == "lipschitz"
             else _standard_block
         )
-        terms = [with_row_gains(block, clean.attn_in[k], t) for k, (block, t)
+        terms = [with_softmax_gains(block, clean.attn_in[k], t) for k, (block, t)
                  in enumerate(zip(model.blocks, chain.attention_terms, strict=True))]
         blocks = [make(model, k, clean, t, jn, exact) for k, t in enumerate(terms)]
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])

@@ -10,7 +10,7 @@ from lipvit.certify.local import layernorm_local_lipschitz
 from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward
-from lipvit.certify.subblock import subblock_bound, with_row_gains
+from lipvit.certify.subblock import subblock_bound, with_softmax_gains
 from lipvit.certify.taylor import taylor_bound
 
 from tests.conftest import full_jacobian, nonlinear_model
@@ -28,8 +28,8 @@ def _bound_and_exact(model, x):
     for k, blk in enumerate(model.blocks):
         X = clean.stream[2 * k]
         with torch.no_grad():
-            bounds.append(subblock_bound(blk, X, with_row_gains(blk, clean.attn_in[k],
-                                                                terms[k])))
+            gains = with_softmax_gains(blk, clean.attn_in[k], terms[k])
+            bounds.append(subblock_bound(blk, X, gains))
         exact.append(torch.stack([
             torch.linalg.matrix_norm(full_jacobian(
                 lambda v, blk=blk: v + blk.attn(blk.norm1(v[None]))[0], X[b]), ord=2)

@@ -13,10 +13,15 @@ import torch
 import torchattacks
 from click.testing import CliRunner
 from lipvit.analysis.pgd import pgd_deviation, pgd_margin_drop
-from lipvit.certify.attention import attention, value_output
+from lipvit.certify.attention import (
+    attention,
+    attention_logits,
+    query_key,
+    value_output,
+)
 from lipvit.certify.certification import bisect_radius, falsi_radius
 from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.lofast import lofast_terms, softmax_local_constant
+from lipvit.certify.lofast import lemma2_matrix, lofast_terms, softmax_local_constant
 from lipvit.certify.remainders import (
     GELU_CURVATURE_MAX,
     attention_jacobian_norm,
@@ -27,6 +32,8 @@ from lipvit.certify.remainders import (
     layer_project_remainder,
     layer_project_split,
     layernorm_curvature,
+    logit_row_variance_gain,
+    logit_variance_gain,
     relu_remainder,
     softmax_row_gains,
 )
@@ -316,6 +323,38 @@ def test_softmax_row_gains_are_the_dense_row_norms(seed, N, D, H):
     assert torch.all(dense <= R) and torch.allclose(R, dense, rtol=1e-9, atol=1e-12)
 
 
+def _weighted_logit_grams(X, W_q, W_k, P):
+    """Dense ``M_hᵀ Ds_h M_h`` per row ``r`` ``(B, H, N, N·D, N·D)``."""
+    B, N, D = X.shape
+    H = W_q.shape[0]
+    M = lemma2_matrix(X, query_key(W_q, W_k)).reshape(B, H, N, N, N * D)
+    Ds = torch.diag_embed(P) - P[..., :, None] * P[..., None, :]  # (B, H, N, N, N)
+    return M.mT @ Ds @ M
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("N, D, H", [(1, 4, 1), (3, 4, 1), (5, 8, 2), (6, 12, 3)])
+def test_logit_variance_gains_brute_force(seed, N, D, H, monkeypatch):
+    """``ν`` (all rows) and ``ν̂`` (the largest row) of the logit changes'
+    variances under the softmax weights, against the dense weighted Gram
+    matrices: equal to rounding where exact, never below; the two-part bound
+    of large sizes never below either."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(2, N, D, generator=g, dtype=F64)
+    W_q, W_k = (torch.randn(H, D, D // H, generator=g, dtype=F64) for _ in range(2))
+    P = torch.softmax(attention_logits(X, W_q, W_k), dim=-1)
+    grams = _weighted_logit_grams(X, W_q, W_k, P)
+    total = torch.linalg.eigvalsh(grams.sum(2))[..., -1]  # (B, H)
+    row = torch.linalg.eigvalsh(grams)[..., -1].amax(-1)
+    nu = logit_variance_gain(X, W_q, W_k, P)
+    nu_row = logit_row_variance_gain(X, W_q, W_k, P)
+    assert torch.all(total <= nu) and torch.allclose(nu, total, rtol=1e-8, atol=1e-12)
+    assert torch.all(row <= nu_row)
+    assert torch.allclose(nu_row, row, rtol=1e-8, atol=1e-12)
+    monkeypatch.setattr("lipvit.certify.remainders.VARIANCE_EXACT_MAX", 0)
+    assert torch.all(total <= logit_variance_gain(X, W_q, W_k, P) * (1 + 1e-12))
+
+
 def _layer(seed, N, D, H, qk_scale):
     g = torch.Generator().manual_seed(seed)
     d = D // H
@@ -342,21 +381,25 @@ def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale
     rows = attention_row_norms(terms)[0]  # (N,): each output token's block of rows
     exact = torch.linalg.matrix_norm(J.reshape(N, 4, N * 4), ord=2)
     assert torch.all(exact <= rows * (1 + 1e-9))
-    # The softmax path by rows (docs/taylor.md §8): whole and per row.
+    # The softmax path by rows (docs/taylor.md §7): whole and per row; and the
+    # logit variance gains of the softmax's curvature.
     P = torch.softmax(terms.logits, dim=-1)
     V = torch.einsum("bnD,hDE->bhnE", X, value_output(W[2], W[3]))
-    by_rows = replace(terms, row_gain=softmax_row_gains(P, V))
-    assert torch.linalg.matrix_norm(J, ord=2) <= attention_jacobian_norm(by_rows)[0] * (
+    gains = replace(terms, row_gain=softmax_row_gains(P, V),
+                    var_gain=logit_variance_gain(X, W[0], W[1], P),
+                    var_row=logit_row_variance_gain(X, W[0], W[1], P))
+    assert torch.linalg.matrix_norm(J, ord=2) <= attention_jacobian_norm(gains)[0] * (
         1 + 1e-9)
-    assert torch.all(exact <= attention_row_norms(by_rows)[0] * (1 + 1e-9))
+    assert torch.all(exact <= attention_row_norms(gains)[0] * (1 + 1e-9))
     r = _remainder_fn(a, X[0])
     for beta in (1e-3, 0.05, 0.3):
-        bound = attention_remainder(terms, torch.tensor([beta], dtype=F64))[0]
         found = max(
             _sampled_max(r, X[0], beta, seed=seed),
             pgd_deviation(r, X, beta, steps=40, restarts=2)[0],
         )
-        assert found <= bound * (1 + 1e-9)
+        for t in (terms, gains):
+            bound = attention_remainder(t, torch.tensor([beta], dtype=F64))[0]
+            assert found <= bound * (1 + 1e-9)
 
 
 # --------------------------------------------------------------------------
