@@ -748,7 +748,9 @@ class LoFASTTerms:
         m_norm: ``‖M_h(X)‖``, Lemma 2.
         xi: ξ_h(X), eq. (26) (exact SVDs).
         xm_norm: ``‖X W_vo[h]‖``; xm_centred: ``‖Π X W_vo[h]‖``, ``Π = I − 11ᵀ/N``;
-            xm_rows: the largest row norm of ``Π X W_vo[h]`` (``≤ xm_centred``).
+            xm_rows: half the largest distance between two rows of ``X W_vo[h]``
+            (at most ``Π X W_vo[h]``'s largest row norm, ``≤ xm_centred``): a
+            row ``w`` summing to zero has ``‖wᵀ X W_vo[h]‖ ≤ ‖w‖₁ xm_rows``.
         vo_norm: ``‖W_vo[h]‖`` ``(H,)``; qk_norm: ``‖W_qk[h]‖`` ``(H,)``.
         p_norm: ``‖P_h(X)‖``.
         logits: scaled logits ``(B, H, N, N)`` (for the local softmax constant).
@@ -881,7 +883,8 @@ def lofast_terms(
         xi=xi,
         xm_norm=spectral_norm(XM),
         xm_centred=spectral_norm(XM_c),
-        xm_rows=torch.linalg.vector_norm(XM_c, dim=-1).amax(-1),
+        xm_rows=torch.cdist(XM, XM, compute_mode="donot_use_mm_for_euclid_dist"
+                            ).amax((-2, -1)) * ((1 + 1e-12) / 2),
         vo_norm=spectral_norm(W_vo),
         qk_norm=spectral_norm(W_qk),
         p_norm=spectral_norm(P),

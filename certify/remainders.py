@@ -441,7 +441,8 @@ def logit_row_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> T
     F = torch.diag_embed(q) - q[..., :, None] * P[..., None, :]  # (B, H, N, N, N)
     FC = F @ C[:, :, None]  # (B, H, N, N, r): F_r C
     Ce = C[:, :, None] @ E[..., None]  # (B, H, N, N, 1): C e_r, row r
-    Fd = F[..., torch.arange(N), :, torch.arange(N)].movedim(0, 2)[..., None]  # F_r δ_r
+    i = torch.arange(N, device=P.device)
+    Fd = F[..., i, :, i].movedim(0, 2)[..., None]  # (B, H, N, N, 1): F_r δ_r
     FCe = F @ Ce  # (B, H, N, N, 1)
     S = FC @ FC.mT + FCe @ Fd.mT + Fd @ FCe.mT
     S = S + E.square().sum(-1)[..., None, None] * (F @ F.mT)  # + ‖e_r‖² F_r F_rᵀ
