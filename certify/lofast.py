@@ -766,8 +766,11 @@ class LoFASTTerms:
         var_gain, var_row: optional ``(B, H)``, bounds on ``Σ_r Var_{p_{h,r}}``
             and on ``max_r Var_{p_{h,r}}`` of the logit changes ``M_h(X)[Γ]``
             per unit ``‖Γ‖_F²`` (:func:`lipvit.certify.remainders.logit_variance_gain`,
-            :func:`~lipvit.certify.remainders.logit_row_variance_gain`; taylor
+            :func:`~lipvit.certify.remainders.logit_row_variance_gains`; taylor
             sets them).
+        var_all, var_row_all: optional ``(B,)``, the same for all heads'
+            variances summed (``remainders.logit_variance_gain_all``, ``None``
+            above its size, and ``logit_row_variance_gains``).
     """
 
     zeta: Tensor
@@ -788,6 +791,8 @@ class LoFASTTerms:
     row_gain: Tensor | None = None
     var_gain: Tensor | None = None
     var_row: Tensor | None = None
+    var_all: Tensor | None = None
+    var_row_all: Tensor | None = None
 
     def bound(self, eps: float | Tensor) -> LoFASTBound:
         """All LoFAST bounds at radius ``eps`` (a float or a ``(B,)`` tensor)."""

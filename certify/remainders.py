@@ -28,8 +28,11 @@ import math
 from typing import NamedTuple
 
 import torch
+from lipvit.certify.attention import query_key
 from lipvit.certify.lofast import (
     LoFASTTerms,
+    lemma2_factors,
+    lemma2_matrix,
     lemma2_reduced_factors,
     softmax_local_constant,
 )
@@ -421,33 +424,61 @@ def logit_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tenso
     return torch.where(G.abs().amax((-2, -1)) == 0, 0.0, lam) + up(err)
 
 
-def logit_row_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tensor:
-    """``ν̂_h ≥ max_r max_{‖Γ‖_F ≤ 1} Var_{p_{h,r}}(M_h(X)[Γ]_r)`` ``(B, H)``, §7.
+def logit_row_variance_gains(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
+                             ) -> tuple[Tensor, Tensor]:
+    """``ν̂_h ≥ max_r max_{‖Γ‖_F ≤ 1} Var_{p_{h,r}}(M_h(X)[Γ]_r)`` ``(B, H)`` and
+    ``ν̂ ≥ max_r max_{‖Γ‖_F ≤ 1} Σ_h Var_{p_{h,r}}(M_h(X)[Γ]_r)`` ``(B,)``, §7.
 
-    Row ``r``'s logit change ``u_k = Γ_r·c_k + e_r·Γ_k`` (``c_k``, ``e_k`` the
-    rows of ``C = X A_hᵀ``, ``E = X A_h``) has the ``N × N`` Gram matrix
-    ``G_r = CCᵀ + (Ce_r)δ_rᵀ + δ_r(Ce_r)ᵀ + ‖e_r‖² I`` over ``‖Γ‖_F ≤ 1``, and
-    ``Var_p(u) = ‖F u‖²`` with ``F = (I − qqᵀ) diag(q)``, ``q = √p`` (``Ds(p) =
-    FᵀF``: ``I − qqᵀ`` is a projection), so ``ν̂ = max_r λ_max(F_r G_r F_rᵀ)``
+    Row ``r``'s logit change in head ``h``, ``u_k = Γ_r·c_k + e_r·Γ_k``
+    (``c_k``, ``e_k`` the rows of ``C_h = X A_hᵀ``, ``E_h = X A_h``), has over
+    ``‖Γ‖_F ≤ 1`` the Gram matrix (heads ``h``, ``g``; keys ``k``, ``l``)
+    ``c^h_k·c^g_l + δ_{rl} c^h_k·e^g_r + δ_{kr} e^h_r·c^g_l + δ_{kl} e^h_r·e^g_r``,
+    and ``Var_p(u) = ‖F u‖²`` with ``F = (I − qqᵀ) diag(q)``, ``q = √p``
+    (``Ds(p) = FᵀF``: ``I − qqᵀ`` is a projection). So ``ν̂`` is the largest
+    eigenvalue over rows of ``F_r G_r F_rᵀ`` (``H N × H N``, ``F_r`` block
+    diagonal over heads) and ``ν̂_h`` that of its diagonal blocks
     (``eigvalsh``, with a relative ``10⁻¹⁰`` for rounding, as
-    :func:`softmax_row_gains`). Any size: ``(B, H, N, N, N)`` at once.
+    :func:`softmax_row_gains`). Any size: ``(B, N, H·N, H·N)`` at once.
 
     Args:
         X: ``(B, N, D)``; W_q, W_k: ``(H, D, d)``; P: ``(B, H, N, N)``; float64.
     """
-    C, E = lemma2_reduced_factors(X, W_q, W_k)  # (B, H, N, r); inner products kept
-    N = P.shape[-1]
+    C, E = lemma2_factors(X, query_key(W_q, W_k))  # (B, H, N, D) each
+    B, H, N, _ = C.shape
     q = P.sqrt()  # (B, H, N, N): row r is q_r
-    F = torch.diag_embed(q) - q[..., :, None] * P[..., None, :]  # (B, H, N, N, N)
-    FC = F @ C[:, :, None]  # (B, H, N, N, r): F_r C
-    Ce = C[:, :, None] @ E[..., None]  # (B, H, N, N, 1): C e_r, row r
+    F = torch.diag_embed(q) - q[..., :, None] * P[..., None, :]  # (B, H, r, N, N)
+    FC = F @ C[:, :, None]  # (B, H, r, N, D): F_{h,r} C_h
     i = torch.arange(N, device=P.device)
-    Fd = F[..., i, :, i].movedim(0, 2)[..., None]  # (B, H, N, N, 1): F_r δ_r
-    FCe = F @ Ce  # (B, H, N, N, 1)
-    S = FC @ FC.mT + FCe @ Fd.mT + Fd @ FCe.mT
-    S = S + E.square().sum(-1)[..., None, None] * (F @ F.mT)  # + ‖e_r‖² F_r F_rᵀ
-    lam = torch.linalg.eigvalsh(S)[..., -1].clamp_min(0)  # (B, H, N)
-    return lam.amax(-1) * (1 + 1e-10)
+    Fd = F[..., i, :, i].movedim(0, 2)  # (B, H, r, N): F_{h,r} δ_r
+    CE = torch.einsum("bhkD,bgrD->bhgrk", C, E)  # c^h_k·e^g_r
+    a = torch.einsum("bhrkl,bhgrl->bhgrk", F, CE)  # F_{h,r} C_h e^g_r
+    S2 = torch.einsum("bhgrk,bgrl->brhkgl", a, Fd)
+    EE = torch.einsum("bhrD,bgrD->brhg", E, E)  # e^h_r·e^g_r
+    S = (torch.einsum("bhrkD,bgrlD->brhkgl", FC, FC) + S2 + S2.permute(0, 1, 4, 5, 2, 3)
+         + EE[:, :, :, None, :, None] * torch.einsum("bhrkm,bgrlm->brhkgl", F, F))
+    heads = S.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # (B, r, H, N, N)
+    lam_h = torch.linalg.eigvalsh(heads)[..., -1].clamp_min(0).amax(1)  # (B, H)
+    lam = torch.linalg.eigvalsh(S.reshape(B, N, H * N, H * N))[..., -1]
+    return lam_h * (1 + 1e-10), lam.clamp_min(0).amax(-1) * (1 + 1e-10)
+
+
+def logit_variance_gain_all(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
+                            ) -> Tensor | None:
+    """``ν ≥ max_{‖Γ‖_F ≤ 1} Σ_h Σ_r Var_{p_{h,r}}(M_h(X)[Γ]_r)`` ``(B,)``, §7:
+    ``λ_max(Σ_h M_hᵀ Ds_h M_h)`` from the dense ``(N·D)²`` matrix, certified as
+    in :func:`logit_variance_gain`, where ``N·D ≤`` :data:`VARIANCE_EXACT_MAX`;
+    ``None`` above (then ``Σ_h ν_h`` bounds it)."""
+    B, N, D = X.shape
+    if N * D > VARIANCE_EXACT_MAX:
+        return None
+    H = W_q.shape[0]
+    M = lemma2_matrix(X, query_key(W_q, W_k)).reshape(B, H, N, N, N * D)  # row r
+    Ds = torch.diag_embed(P) - P[..., :, None] * P[..., None, :]  # (B, H, r, N, N)
+    G = torch.einsum("bhrkx,bhrky->bxy", M, Ds @ M)  # Σ_h M_hᵀ Ds_h M_h
+    # Rounding: ≤ H N² + 2 products per entry, |Ds| ≤ 2 by rows
+    err = gamma(H * N * N + 2) * 2 * M.square().sum((1, 2, 3, 4))
+    lam = certified_lambda_max_small(G)  # +inf for G = 0: its λ_max is 0
+    return torch.where(G.abs().amax((-2, -1)) == 0, 0.0, lam) + up(err)
 
 
 def attention_row_norms(terms: LoFASTTerms) -> Tensor:
@@ -506,9 +537,20 @@ def attention_remainder(
     if terms.var_gain is not None:
         total = torch.minimum(total, terms.var_gain)
     row = total if terms.var_row is None else torch.minimum(total, terms.var_row)
-    std = ((row * total).sqrt().sqrt() * b + c0.sqrt() * terms.qk_norm * b**2) / sqrt_d
-    curv = torch.minimum(c_loc * rho**2, torch.exp(math.sqrt(2) * rho) * std**2)
-    second = (quad * terms.qk_norm * b**2 / sqrt_d
-              + curv * torch.minimum(terms.xm_centred, terms.xm_rows))
+    quad_b = c0.sqrt() * terms.qk_norm * b**2  # ≥ ‖ΔS_h's quadratic part‖_F √(c d)
+    std = ((row * total).sqrt().sqrt() * b + quad_b) / sqrt_d
+    mu = torch.minimum(terms.xm_centred, terms.xm_rows)
+    e_s = torch.exp(math.sqrt(2) * rho)
+    curv = mu * torch.minimum(c_loc * rho**2, e_s * std**2)  # (B, H)
+    first = (quad * terms.qk_norm * b**2 / sqrt_d).sum(-1)
     cross = torch.minimum(c_loc * rho, torch.full_like(rho, math.sqrt(2 * N)))
-    return (second + cross * terms.vo_norm * b).sum(-1)
+    out = first + curv.sum(-1) + (cross * terms.vo_norm * b).sum(-1)
+    if terms.var_row_all is None:
+        return out
+    # All heads at once: row r's curvature is at most max_h(e^{s_h} μ_h) Σ_h Var_{h,r}
+    all_ = total.sum(-1) if terms.var_all is None else terms.var_all  # (B,)
+    row_all = torch.minimum(terms.var_row_all, all_)
+    std_all = ((row_all * all_).sqrt().sqrt() * beta
+               + torch.linalg.vector_norm(quad_b, dim=-1)) / sqrt_d
+    joint = (e_s * mu).amax(-1) * std_all**2
+    return torch.minimum(out, out - curv.sum(-1) + joint)

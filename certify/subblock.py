@@ -28,8 +28,9 @@ from lipvit.certify.attention import bound_weights, value_output
 from lipvit.certify.local import layernorm_local_lipschitz
 from lipvit.certify.lofast import LoFASTTerms, zeta_from_attention
 from lipvit.certify.remainders import (
-    logit_row_variance_gain,
+    logit_row_variance_gains,
     logit_variance_gain,
+    logit_variance_gain_all,
     softmax_path,
     softmax_row_gains,
 )
@@ -152,13 +153,15 @@ def with_softmax_gains(block, attn_in: Tensor, terms: LoFASTTerms
     ``(B, N, D)`` with the softmax path's row gains and the logit variance
     gains set (:func:`~lipvit.certify.remainders.softmax_row_gains`,
     :func:`~lipvit.certify.remainders.logit_variance_gain`,
-    :func:`~lipvit.certify.remainders.logit_row_variance_gain`)."""
+    :func:`~lipvit.certify.remainders.logit_row_variance_gains`)."""
     W_q, W_k, W_v, W_o = bound_weights(block.attn)
     V = torch.einsum("bnD,hDE->bhnE", attn_in, value_output(W_v, W_o))  # (B, H, N, D)
     P = torch.softmax(terms.logits, dim=-1)  # (B, H, N, N)
+    var_row, var_row_all = logit_row_variance_gains(attn_in, W_q, W_k, P)
     return replace(terms, row_gain=softmax_row_gains(P, V),
-                   var_gain=logit_variance_gain(attn_in, W_q, W_k, P),
-                   var_row=logit_row_variance_gain(attn_in, W_q, W_k, P))
+                   var_gain=logit_variance_gain(attn_in, W_q, W_k, P), var_row=var_row,
+                   var_all=logit_variance_gain_all(attn_in, W_q, W_k, P),
+                   var_row_all=var_row_all)
 
 
 def subblock_bound(block, X: Tensor, terms: LoFASTTerms) -> Tensor:

@@ -32,8 +32,9 @@ from lipvit.certify.remainders import (
     layer_project_remainder,
     layer_project_split,
     layernorm_curvature,
-    logit_row_variance_gain,
+    logit_row_variance_gains,
     logit_variance_gain,
+    logit_variance_gain_all,
     relu_remainder,
     softmax_row_gains,
 )
@@ -336,9 +337,9 @@ def _weighted_logit_grams(X, W_q, W_k, P):
 @pytest.mark.parametrize("N, D, H", [(1, 4, 1), (3, 4, 1), (5, 8, 2), (6, 12, 3)])
 def test_logit_variance_gains_brute_force(seed, N, D, H, monkeypatch):
     """``ν`` (all rows) and ``ν̂`` (the largest row) of the logit changes'
-    variances under the softmax weights, against the dense weighted Gram
-    matrices: equal to rounding where exact, never below; the two-part bound
-    of large sizes never below either."""
+    variances under the softmax weights, per head and all heads summed,
+    against the dense weighted Gram matrices: equal to rounding where exact,
+    never below; the two-part bound of large sizes never below either."""
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(2, N, D, generator=g, dtype=F64)
     W_q, W_k = (torch.randn(H, D, D // H, generator=g, dtype=F64) for _ in range(2))
@@ -346,13 +347,18 @@ def test_logit_variance_gains_brute_force(seed, N, D, H, monkeypatch):
     grams = _weighted_logit_grams(X, W_q, W_k, P)
     total = torch.linalg.eigvalsh(grams.sum(2))[..., -1]  # (B, H)
     row = torch.linalg.eigvalsh(grams)[..., -1].amax(-1)
+    total_all = torch.linalg.eigvalsh(grams.sum((1, 2)))[..., -1]  # (B,)
+    row_all = torch.linalg.eigvalsh(grams.sum(1))[..., -1].amax(-1)
     nu = logit_variance_gain(X, W_q, W_k, P)
-    nu_row = logit_row_variance_gain(X, W_q, W_k, P)
-    assert torch.all(total <= nu) and torch.allclose(nu, total, rtol=1e-8, atol=1e-12)
-    assert torch.all(row <= nu_row)
-    assert torch.allclose(nu_row, row, rtol=1e-8, atol=1e-12)
+    nu_row, nu_row_all = logit_row_variance_gains(X, W_q, W_k, P)
+    nu_all = logit_variance_gain_all(X, W_q, W_k, P)
+    for bound, dense in ((nu, total), (nu_row, row), (nu_all, total_all),
+                         (nu_row_all, row_all)):
+        assert torch.all(dense <= bound)
+        assert torch.allclose(bound, dense, rtol=1e-8, atol=1e-12)
     monkeypatch.setattr("lipvit.certify.remainders.VARIANCE_EXACT_MAX", 0)
     assert torch.all(total <= logit_variance_gain(X, W_q, W_k, P) * (1 + 1e-12))
+    assert logit_variance_gain_all(X, W_q, W_k, P) is None
 
 
 def _layer(seed, N, D, H, qk_scale):
@@ -385,9 +391,11 @@ def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale
     # logit variance gains of the softmax's curvature.
     P = torch.softmax(terms.logits, dim=-1)
     V = torch.einsum("bnD,hDE->bhnE", X, value_output(W[2], W[3]))
+    var_row, var_row_all = logit_row_variance_gains(X, W[0], W[1], P)
     gains = replace(terms, row_gain=softmax_row_gains(P, V),
-                    var_gain=logit_variance_gain(X, W[0], W[1], P),
-                    var_row=logit_row_variance_gain(X, W[0], W[1], P))
+                    var_gain=logit_variance_gain(X, W[0], W[1], P), var_row=var_row,
+                    var_all=logit_variance_gain_all(X, W[0], W[1], P),
+                    var_row_all=var_row_all)
     assert torch.linalg.matrix_norm(J, ord=2) <= attention_jacobian_norm(gains)[0] * (
         1 + 1e-9)
     assert torch.all(exact <= attention_row_norms(gains)[0] * (1 + 1e-9))
