@@ -543,7 +543,10 @@ def attention_remainder(
     e_s = torch.exp(math.sqrt(2) * rho)
     curv = mu * torch.minimum(c_loc * rho**2, e_s * std**2)  # (B, H)
     first = (quad * terms.qk_norm * b**2 / sqrt_d).sum(-1)
-    cross = torch.minimum(c_loc * rho, torch.full_like(rho, math.sqrt(2 * N)))
+    # ‖P′_h − P_h‖_F: c′ρ, or (c′ e^s Σ_r Var_p(u_r))^½ (‖Ds(q)u‖² ≤ ‖Ds(q)‖ Var_q(u))
+    spread = (total.sqrt() * b + quad_b) / sqrt_d  # ≥ (Σ_r Var_p(u_r))^½
+    cross = torch.minimum(torch.minimum(c_loc * rho, (c_loc * e_s).sqrt() * spread),
+                          torch.full_like(rho, math.sqrt(2 * N)))
     out = first + curv.sum(-1) + (cross * terms.vo_norm * b).sum(-1)
     if terms.var_row_all is None:
         return out

@@ -407,7 +407,8 @@ def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale
         )
         for t in (terms, gains):
             bound = attention_remainder(t, torch.tensor([beta], dtype=F64))[0]
-            assert found <= bound * (1 + 1e-9)
+            # + float rounding of the sampled remainder (N = 1: linear, bound 0)
+            assert found <= bound * (1 + 1e-9) + 1e-14
 
 
 # --------------------------------------------------------------------------
