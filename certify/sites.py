@@ -284,6 +284,10 @@ class SubBlockNorms:
             pre-activation's gradient norm w.r.t. its own token of ``s_{2k+1}``.
         ffn: per block ``(B, N)``: ``‖D mlp‖`` per token at norm2's output
             (standard family: ``‖W₂ diag(GELU′(z_t)) W₁‖``).
+        into: per block but the last ``(B, N)``: the feed-forward sub-block
+            composed with the next block's LayerNorm, ``‖D(s ↦ norm1_{k+1}(s +
+            mlp(norm2(s))))‖`` per token at ``s_{2k+1}`` (standard family, both
+            token-wise; ``+inf`` for a lipschitz model).
     """
 
     attn: Tensor
@@ -291,6 +295,7 @@ class SubBlockNorms:
     mlp: Tensor
     unit: list[Tensor]
     ffn: list[Tensor]
+    into: list[Tensor]
 
 
 def _dense_norm(fn, X: Tensor, chunk: int = 8) -> Tensor:
@@ -327,7 +332,7 @@ def subblock_norms(
     X0 = clean.stream[0]
     whole = X0[0].numel() <= (EXACT_MAX if max_size is None else max_size)
     inf = torch.full(X0.shape[:1], math.inf, dtype=X0.dtype, device=X0.device)
-    attn, bare, mlp, unit, ffn = [], [], [], [], []
+    attn, bare, mlp, unit, ffn, into = [], [], [], [], [], []
     for k, block in enumerate(model.blocks):
         X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
         attn.append(_dense_norm(
@@ -342,5 +347,12 @@ def subblock_norms(
         T_z = _token_tangents(lambda s, b=block: b.mlp.fc1(b.norm2(s)), X_mid)
         unit.append(torch.linalg.vector_norm(T_z, dim=2) * (1 + 1e-12))  # (B, N, m)
         ffn.append(gram_norm(_token_tangents(block.mlp, block.norm2(X_mid))))
+        if k + 1 == len(model.blocks):
+            continue
+        if model.config.family == "lipschitz":
+            into.append(torch.full_like(mlp[-1], math.inf))
+        else:
+            nxt = lambda s, f=ff, n=model.blocks[k + 1].norm1: n(f(s))  # noqa: E731
+            into.append(gram_norm(_token_tangents(nxt, X_mid)))
     return SubBlockNorms(torch.stack(attn, 1), torch.stack(bare, 1),
-                         torch.stack(mlp, 1), unit, ffn)
+                         torch.stack(mlp, 1), unit, ffn, into)

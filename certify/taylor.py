@@ -119,12 +119,15 @@ class Budget(NamedTuple):
     token ``token`` ``(B, N)``, and ``acc`` ``(B,)``, a bound on the part of the
     perturbation that is neither ``J_{s←x} Γ`` nor the symbols' (the other
     sites' propagated remainders), and ``acc_token`` ``(B, N)`` the same per
-    token."""
+    token. After a standard feed-forward sub-block, ``split = (a, R)``: that
+    part is ``J_ff v + ρ`` with ``‖v‖ ≤ a`` (the sub-block input's) and ``‖ρ‖ ≤
+    R`` (its own remainders), for the next LayerNorm's exact composite norm."""
 
     all: Tensor
     token: Tensor
     acc: Tensor
     acc_token: Tensor
+    split: tuple[Tensor, Tensor] | None = None
 
 
 class AttentionGains(NamedTuple):
@@ -469,7 +472,11 @@ def _standard_block(
             r1.norm(b.all), torch.linalg.vector_norm(r1.at(b.token), dim=-1)
         )
         L1 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.all)
-        rest = L1_0 * b.acc + r1_norm  # all but J_{p←x}Γ
+        into = L1_0 * b.acc  # LN₁'s image of the other part, or through the
+        if b.split is not None and exact is not None:  # previous sub-block exactly
+            a, R_prev = b.split
+            into = torch.minimum(into, exact.into[k - 1].amax(-1) * a + L1_0 * R_prev)
+        rest = into + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
@@ -494,7 +501,7 @@ def _standard_block(
         lip_t = lam_t * mid.token + R_t  # (B, N)
         lip = torch.minimum(torch.linalg.vector_norm(lip_t, dim=-1),
                             lam_t.amax(-1) * mid.all + R)
-        out = _capped(out, lip, lip_t)
+        out = _capped(out, lip, lip_t)._replace(split=(mid.acc, R))
 
         def shares(g: dict[str, Tensor], deep: bool) -> dict[str, Tensor]:
             return {

@@ -715,9 +715,18 @@ def test_subblock_norms_are_exact(family):
                 q = blk.norm2(X_mid[b, t][None])[0]
                 ffn = norm(lambda v, blk=blk: blk.mlp(v[None])[0], q)
                 assert torch.allclose(sub.ffn[k][b, t], ffn, rtol=1e-9)
+                if k + 1 == len(model.blocks):
+                    continue
+                if family == "lipschitz":
+                    assert torch.isinf(sub.into[k][b, t])
+                    continue
+                nxt = model.blocks[k + 1].norm1
+                into = norm(lambda v, f=ff, n=nxt: n(f(v)[None])[0], X_mid[b, t])
+                assert torch.allclose(sub.into[k][b, t], into, rtol=1e-9)
+    assert len(sub.into) == len(model.blocks) - 1
     large = subblock_norms(model, clean, max_size=10)  # token-wise maps only
     assert torch.all(large.attn.isinf()) and torch.all(large.bare.isinf())
-    for f in ("mlp", "unit", "ffn"):
+    for f in ("mlp", "unit", "ffn", "into"):
         assert all(torch.equal(a, b) for a, b in zip(getattr(large, f),
                                                       getattr(sub, f), strict=True))
 
