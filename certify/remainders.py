@@ -424,6 +424,11 @@ def logit_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tenso
     return torch.where(G.abs().amax((-2, -1)) == 0, 0.0, lam) + up(err)
 
 
+ROW_JOINT_MAX = 256
+"""Largest ``H·N`` at which :func:`logit_row_variance_gains` forms the rows'
+``H N × H N`` matrices over all heads together (above it, each head's alone)."""
+
+
 def logit_row_variance_gains(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
                              ) -> tuple[Tensor, Tensor]:
     """``ν̂_h ≥ max_r max_{‖Γ‖_F ≤ 1} Var_{p_{h,r}}(M_h(X)[Γ]_r)`` ``(B, H)`` and
@@ -438,7 +443,8 @@ def logit_row_variance_gains(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
     eigenvalue over rows of ``F_r G_r F_rᵀ`` (``H N × H N``, ``F_r`` block
     diagonal over heads) and ``ν̂_h`` that of its diagonal blocks
     (``eigvalsh``, with a relative ``10⁻¹⁰`` for rounding, as
-    :func:`softmax_row_gains`). Any size: ``(B, N, H·N, H·N)`` at once.
+    :func:`softmax_row_gains`); ``(B, N, H·N, H·N)`` at once up to ``H·N ≤``
+    :data:`ROW_JOINT_MAX`, above it ``(B, H, N, N, N)`` and ``ν̂ ≤ Σ_h ν̂_h``.
 
     Args:
         X: ``(B, N, D)``; W_q, W_k: ``(H, D, d)``; P: ``(B, H, N, N)``; float64.
@@ -450,6 +456,13 @@ def logit_row_variance_gains(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
     FC = F @ C[:, :, None]  # (B, H, r, N, D): F_{h,r} C_h
     i = torch.arange(N, device=P.device)
     Fd = F[..., i, :, i].movedim(0, 2)  # (B, H, r, N): F_{h,r} δ_r
+    if H * N > ROW_JOINT_MAX:  # each head alone; all heads: max_r Σ_h ≤ Σ_h max_r
+        a = (F @ torch.einsum("bhkD,bhrD->bhrk", C, E)[..., None])[..., 0]  # F C e_r
+        S = (FC @ FC.mT + a[..., :, None] * Fd[..., None, :]
+             + Fd[..., :, None] * a[..., None, :]
+             + E.square().sum(-1)[..., None, None] * (F @ F.mT))  # (B, H, r, N, N)
+        lam_h = torch.linalg.eigvalsh(S)[..., -1].clamp_min(0).amax(-1) * (1 + 1e-10)
+        return lam_h, lam_h.sum(-1)
     CE = torch.einsum("bhkD,bgrD->bhgrk", C, E)  # c^h_k·e^g_r
     a = torch.einsum("bhrkl,bhgrl->bhgrk", F, CE)  # F_{h,r} C_h e^g_r
     S2 = torch.einsum("bhgrk,bgrl->brhkgl", a, Fd)

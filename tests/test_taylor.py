@@ -359,6 +359,10 @@ def test_logit_variance_gains_brute_force(seed, N, D, H, monkeypatch):
     monkeypatch.setattr("lipvit.certify.remainders.VARIANCE_EXACT_MAX", 0)
     assert torch.all(total <= logit_variance_gain(X, W_q, W_k, P) * (1 + 1e-12))
     assert logit_variance_gain_all(X, W_q, W_k, P) is None
+    monkeypatch.setattr("lipvit.certify.remainders.ROW_JOINT_MAX", 0)  # heads alone
+    alone, summed = logit_row_variance_gains(X, W_q, W_k, P)
+    assert torch.allclose(alone, nu_row, rtol=1e-12, atol=1e-14)
+    assert torch.all(row_all <= summed)
 
 
 def _layer(seed, N, D, H, qk_scale):
