@@ -36,7 +36,7 @@ from lipvit.certify.lofast import (
     lemma2_reduced_factors,
     softmax_local_constant,
 )
-from lipvit.certify.structured import certified_lambda_max_small, gamma, up
+from lipvit.certify.structured import U, certified_lambda_max_small, gamma, up
 from torch import Tensor
 
 #: ``max_x |GELU''(x)| = 2 φ(0) = √(2/π)`` (erf GELU; GELU'' = φ(x)(2 − x²)).
@@ -342,9 +342,6 @@ def _softmax_rows(terms: LoFASTTerms) -> Tensor | None:
 _ROW_BYTES = 2**26
 """Largest ``(B, H, rows, N, D)`` block :func:`softmax_row_gains` holds at once."""
 
-_U = torch.finfo(torch.float64).eps / 2
-
-
 def softmax_row_gains(P: Tensor, V: Tensor) -> Tensor:
     """``R_r ≥ ‖[V_hᵀ Ds(p_{h,r})]_h‖`` per query row ``r`` ``(B, N)``, taylor.md §8.
 
@@ -373,8 +370,13 @@ def softmax_row_gains(P: Tensor, V: Tensor) -> Tensor:
         G = W @ W.mT if H * N <= D else W.mT @ W
         out.append(torch.linalg.eigvalsh(G)[..., -1].clamp_min(0).sqrt())  # (B, c)
     v_max = torch.linalg.vector_norm(V, dim=-1).amax((-2, -1))  # (B,)
-    rounding = 8 * _U * math.sqrt(H) * v_max
+    rounding = 8 * U * math.sqrt(H) * v_max
     return torch.cat(out, dim=-1) * (1 + 1e-10) + rounding[:, None]
+
+
+def _softmax_jacobians(P: Tensor) -> Tensor:
+    """``Ds(p) = diag(p) − ppᵀ`` per row ``p``: ``(..., N, N) → (..., N, N, N)``."""
+    return torch.diag_embed(P) - P[..., :, None] * P[..., None, :]
 
 
 VARIANCE_EXACT_MAX = 1024
@@ -402,7 +404,7 @@ def logit_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tenso
     """
     C, E = lemma2_reduced_factors(X, W_q, W_k)  # (B, H, N, r) each
     B, H, N, r = C.shape
-    Ds = torch.diag_embed(P) - P[..., :, None] * P[..., None, :]  # (B, H, N, N, N)
+    Ds = _softmax_jacobians(P)  # (B, H, N, N, N)
     first = C.mT[:, :, None] @ Ds @ C[:, :, None]  # (B, H, N, r, r): Cᵀ Ds_a C
     if N * r > VARIANCE_EXACT_MAX:
         c = torch.linalg.eigvalsh(Ds)[..., -1].amax(-1).clamp_min(0)  # (B, H)
@@ -486,7 +488,7 @@ def logit_variance_gain_all(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
         return None
     H = W_q.shape[0]
     M = lemma2_matrix(X, query_key(W_q, W_k)).reshape(B, H, N, N, N * D)  # row r
-    Ds = torch.diag_embed(P) - P[..., :, None] * P[..., None, :]  # (B, H, r, N, N)
+    Ds = _softmax_jacobians(P)  # (B, H, r, N, N)
     G = torch.einsum("bhrkx,bhrky->bxy", M, Ds @ M)  # Σ_h M_hᵀ Ds_h M_h
     # Rounding: ≤ H N² + 2 products per entry, |Ds| ≤ 2 by rows
     err = gamma(H * N * N + 2) * 2 * M.square().sum((1, 2, 3, 4))
