@@ -7,7 +7,9 @@ the product bound ``1 + ‖J_a‖ ‖J_N‖``, the structured bound
 blocks, softmax path by rows; both are what the ``taylor`` budget recursion
 uses for large models), and the exact norm that
 :func:`lipvit.certify.sites.subblock_norms` computes from the whole
-``(N·D) × (N·D)`` Jacobian (docs/taylor.md §8); ranges over the points.
+``(N·D) × (N·D)`` Jacobian (docs/taylor.md §8); ranges over the points. For a
+standard model also the next block's LayerNorm composed with the feed-forward
+sub-block, exact (``SubBlockNorms.into``) against the product of the norms.
 
 Usage::
 
@@ -60,6 +62,16 @@ def main() -> None:
             bound = subblock_bound(block, X, gains)
             print(f"| {k} | {_range(product)} | {_range(bound)} | {_range(ex)} "
                   f"| {_range(product / ex)} | {_range(bound / ex)} |")
+        if model.config.family == "lipschitz":
+            return
+        print("\nThe next LayerNorm through the feed-forward sub-block (token-wise):")
+        print("| block | exact ‖J_N J_ff‖ | product ‖J_N‖ λ_ff |")
+        print("|---|---|---|")
+        for k, nxt in enumerate(model.blocks[1:]):
+            L_N = layernorm_local_lipschitz(clean.stream[2 * k + 2], nxt.norm1.weight,
+                                            nxt.norm1.eps, zero)
+            print(f"| {k} | {_range(exact.into[k].amax(-1))} "
+                  f"| {_range(L_N * exact.mlp[:, k].amax(-1))} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""The attention's remainder bound against what PGD finds (docs/taylor.md §7).
+
+For every block's bare attention at its clean input (the test points of a
+checkpoint, as ``lipvit certify --n`` picks them) and each input budget β:
+``attention_remainder``'s bound with the terms LoFAST computes, the same with
+the softmax gains ``taylor`` adds (rows, the logits' variance per head and
+over all heads; ``with_softmax_gains``), and the largest remainder
+``‖a(p + Δ) − a(p) − J_a Δ‖_F`` PGD finds over ``‖Δ‖_F ≤ β`` (a lower bound
+of the true one); medians over the points of each bound / PGD.
+
+Usage::
+
+    python bench/attention_remainder.py --ckpt msvp.pt --n 5 --beta 1e-3 1e-2 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+
+import torch
+from _points import float64_points
+from lipvit.analysis.pgd import pgd_deviation
+from lipvit.certify.attention import attention, bound_weights
+from lipvit.certify.network import network_bound
+from lipvit.certify.remainders import attention_remainder
+from lipvit.certify.sites import forward
+from lipvit.certify.subblock import with_softmax_gains
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--n", type=int, default=5)
+    parser.add_argument("--beta", type=float, nargs="+", default=[1e-3, 1e-2, 0.1])
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, x, _, _ = float64_points(args.ckpt, args.n)
+    with torch.no_grad():
+        clean = forward(model, x)[1]
+    chain = network_bound(model, x, "lofast").attention_terms
+    print(f"{args.ckpt}: n={len(x)}, {platform.machine()}, {platform.node()}, "
+          f"{datetime.date.today()}; medians over the points")
+    print("| block | β | bound / PGD | with the softmax gains / PGD | PGD remainder |")
+    print("|---|---|---|---|---|")
+    for k, block in enumerate(model.blocks):
+        p = clean.attn_in[k]
+        W = bound_weights(block.attn)
+
+        def bare(X, W=W):
+            return attention(X, *W, residual=False)
+
+        def remainder(U, p=p, bare=bare):  # batched: sample b moves from p[b]
+            return bare(U) - bare(p) - torch.func.jvp(bare, (p,), (U - p,))[1]
+
+        gains = with_softmax_gains(block, p, chain[k])
+        for beta in args.beta:
+            b = torch.full((len(x),), beta, dtype=torch.float64)
+            found = pgd_deviation(remainder, p, beta, steps=args.steps, restarts=2)
+            plain = attention_remainder(chain[k], b) / found
+            tight = attention_remainder(gains, b) / found
+            print(f"| {k} | {beta:g} | {plain.median():.3g} | {tight.median():.3g} "
+                  f"| {found.median():.3g} |")
+
+
+if __name__ == "__main__":
+    main()
