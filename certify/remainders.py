@@ -37,6 +37,7 @@ from lipvit.certify.lofast import (
     softmax_local_constant,
 )
 from lipvit.certify.structured import U, certified_lambda_max_small, gamma, up
+from lipvit.certify.tangents import LogitVariance
 from torch import Tensor
 
 #: ``max_x |GELU''(x)| = 2 φ(0) = √(2/π)`` (erf GELU; GELU'' = φ(x)(2 − x²)).
@@ -511,8 +512,25 @@ def attention_row_norms(terms: LoFASTTerms) -> Tensor:
     return value + (soft if rows is None else torch.minimum(soft, rows))
 
 
+class ImagePart(NamedTuple):
+    """The attention input's move split as ``J_{p←x}Γ + R`` (``‖Γ‖ ≤ eps``,
+    ``‖R‖ ≤ rest``, both ``(B,)``), with the image → logit map's variance
+    gains ``var`` (:class:`~lipvit.certify.tangents.LogitVariance`, ``(B, H)``
+    and ``(B,)``), docs/taylor.md §7 (*through the image*)."""
+
+    eps: Tensor
+    rest: Tensor
+    var: LogitVariance
+
+
+def _fourth_root(gain: Tensor, eps: Tensor) -> Tensor:
+    """``gain^¼ ε``, ``+inf`` where ``gain`` is (not computed), even at ``ε = 0``."""
+    return torch.where(gain.isinf(), math.inf, gain.sqrt().sqrt() * eps)
+
+
 def attention_remainder(
-    terms: LoFASTTerms, beta: Tensor, logit_radius: Tensor | None = None
+    terms: LoFASTTerms, beta: Tensor, logit_radius: Tensor | None = None,
+    image: ImagePart | None = None,
 ) -> Tensor:
     """Bound on ``‖a(X+Γ) − a(X) − J_a Γ‖_F`` for ``‖Γ‖_F ≤ β``, docs/taylor.md §7.
 
@@ -536,6 +554,8 @@ def attention_remainder(
     ``logit_radius`` ``(B, H)``: an optional tighter bound on ``‖ΔS_h‖_F``
     (e.g. from the exact Jacobian image → logits, docs/taylor.md §7); the
     smaller of it and ``ρ_h`` is used.
+    ``image``: the input's first-order part through the image; the logits'
+    variances of that part then use its exact gains (the smaller bound is used).
     """
     N = terms.logits.shape[-1]
     b = beta[:, None]  # (B, 1)
@@ -554,12 +574,18 @@ def attention_remainder(
     row = total if terms.var_row is None else torch.minimum(total, terms.var_row)
     quad_b = c0.sqrt() * terms.qk_norm * b**2  # ≥ ‖ΔS_h's quadratic part‖_F √(c d)
     std = ((row * total).sqrt().sqrt() * b + quad_b) / sqrt_d
+    spread = (total.sqrt() * b + quad_b) / sqrt_d  # ≥ (Σ_r Var_p(u_r))^½
+    if image is not None:  # u = J_{S←x}Γ (exact gains) + M[R]/√d + quadratic
+        e, r = image.eps[:, None], image.rest[:, None]
+        std = torch.minimum(std, _fourth_root(image.var.row * image.var.whole, e)
+                            + ((row * total).sqrt().sqrt() * r + quad_b) / sqrt_d)
+        spread = torch.minimum(spread, _fourth_root(image.var.whole ** 2, e)
+                               + (total.sqrt() * r + quad_b) / sqrt_d)
     mu = torch.minimum(terms.xm_centred, terms.xm_rows)
     e_s = torch.exp(math.sqrt(2) * rho)
     curv = mu * torch.minimum(c_loc * rho**2, e_s * std**2)  # (B, H)
     first = (quad * terms.qk_norm * b**2 / sqrt_d).sum(-1)
     # ‖P′_h − P_h‖_F: c′ρ, or (c′ e^s Σ_r Var_p(u_r))^½ (‖Ds(q)u‖² ≤ ‖Ds(q)‖ Var_q(u))
-    spread = (total.sqrt() * b + quad_b) / sqrt_d  # ≥ (Σ_r Var_p(u_r))^½
     cross = torch.minimum(torch.minimum(c_loc * rho, (c_loc * e_s).sqrt() * spread),
                           torch.full_like(rho, math.sqrt(2 * N)))
     out = first + curv.sum(-1) + (cross * terms.vo_norm * b).sum(-1)
@@ -568,7 +594,11 @@ def attention_remainder(
     # All heads at once: row r's curvature is at most max_h(e^{s_h} μ_h) Σ_h Var_{h,r}
     all_ = total.sum(-1) if terms.var_all is None else terms.var_all  # (B,)
     row_all = torch.minimum(terms.var_row_all, all_)
-    std_all = ((row_all * all_).sqrt().sqrt() * beta
-               + torch.linalg.vector_norm(quad_b, dim=-1)) / sqrt_d
+    quad_all = torch.linalg.vector_norm(quad_b, dim=-1)
+    std_all = ((row_all * all_).sqrt().sqrt() * beta + quad_all) / sqrt_d
+    if image is not None:
+        std_all = torch.minimum(
+            std_all, _fourth_root(image.var.row_all * image.var.whole_all, image.eps)
+            + ((row_all * all_).sqrt().sqrt() * image.rest + quad_all) / sqrt_d)
     joint = (e_s * mu).amax(-1) * std_all**2
     return torch.minimum(out, out - curv.sum(-1) + joint)

@@ -21,7 +21,12 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from lipvit.certify.attention import attention, bound_weights
-from lipvit.certify.tangents import JacobianNorms, gram_norm, norms_of_sample
+from lipvit.certify.tangents import (
+    JacobianNorms,
+    LogitVariance,
+    gram_norm,
+    norms_of_sample,
+)
 from torch import Tensor
 
 from lipvit.errors import UnsupportedModelError
@@ -252,6 +257,7 @@ def jacobian_norms(
         act_in=[torch.stack([p.act_in[k] for p in per]) for k in range(K)],
         cls=torch.stack([p.cls for p in per]),
         logits=torch.stack([p.logits for p in per]),
+        variance=LogitVariance.stack([p.variance for p in per]),
         exact=all(p.exact for p in per),
     )
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from lipvit.certify.linearized import CACHE_BYTES, Linearized
@@ -182,6 +183,48 @@ def patch_order(model: ViT) -> Tensor:
     return patches.reshape(-1).round().long()
 
 
+class LogitVariance(NamedTuple):
+    """Variance gains of the image → attention-logit map of one block
+    (docs/taylor.md §7, *through the image*): with ``U = J_{S←x}Γ`` the
+    logits' first-order change (``(H, N, N)``) and ``Var_r`` the variance of
+    row ``r`` of head ``h`` under the clean ``p_{h,r}``, per unit ``‖Γ‖²``:
+    ``whole`` ``(…, H)`` ``max Σ_r Var_r``, ``row`` ``(…, H)`` ``max_r max
+    Var_r``, and over all heads at once ``whole_all`` ``(…)`` ``max Σ_{h,r}
+    Var_{h,r}`` and ``row_all`` ``(…)`` ``max_r max Σ_h Var_{h,r}``. Exact
+    (eigvalsh, rounded up); ``+inf`` where not computed."""
+
+    whole: Tensor
+    row: Tensor
+    whole_all: Tensor
+    row_all: Tensor
+
+    def block(self, k: int) -> LogitVariance:
+        """Block ``k``'s gains of batched ``(B, K, …)`` fields."""
+        return LogitVariance(*(f[:, k] for f in self))
+
+    @staticmethod
+    def stack(parts: list[LogitVariance]) -> LogitVariance:
+        """The fields of ``parts`` stacked along a new first axis."""
+        return LogitVariance(*(torch.stack(f) for f in zip(*parts, strict=True)))
+
+
+def logit_variance(T: Tensor, P: Tensor) -> LogitVariance:
+    """:class:`LogitVariance` from the logit tangents ``T = J_{S←x}E`` ``(n, H,
+    N, N)`` of the image's ``n`` basis vectors and the clean probabilities
+    ``P`` ``(H, N, N)``. ``Var_p(u) = ‖F u‖²`` with ``F = (I − qqᵀ)diag(q)``,
+    ``q = √p``, so each gain is the top eigenvalue of the Gram matrix of the
+    tangents ``F T`` over the rows (and heads) it sums."""
+    n, H, N, _ = T.shape
+    q = P.sqrt()  # (H, N, N)
+    y = T * q
+    W = y - q * (y * q).sum(-1, keepdim=True)  # (n, H, N, N): F_{h,r} applied per row
+    whole = gram_norm(W.flatten(2).transpose(0, 1)) ** 2  # (H,): (H, n, N·N)
+    row = (gram_norm(W.permute(1, 2, 0, 3)) ** 2).amax(-1)  # (H, N, n, N) → (H,)
+    whole_all = gram_norm(W.reshape(n, -1)) ** 2
+    row_all = (gram_norm(W.permute(2, 0, 1, 3).reshape(N, n, H * N)) ** 2).amax()
+    return LogitVariance(whole, row, whole_all, row_all)
+
+
 @dataclass(frozen=True)
 class JacobianNorms:
     """Norms of the clean point's Jacobians from the image, ``J_{u←x}``.
@@ -201,6 +244,8 @@ class JacobianNorms:
         logits: per block and head ``(B, K, H)``: the attention logits
             ``S_h = p A_h pᵀ/√d`` (``p`` the attention's input); ``+inf`` where
             not ``exact`` (the certificate then uses LoFAST's logit bound).
+        variance: per block ``(B, K, …)``, the logits' variance gains
+            (:class:`LogitVariance`); ``+inf`` where not ``exact``.
         exact: whether the whole-matrix norms are exact.
     """
 
@@ -210,6 +255,7 @@ class JacobianNorms:
     act_in: list[Tensor]
     cls: Tensor
     logits: Tensor
+    variance: LogitVariance
     exact: bool = True
 
 
@@ -299,8 +345,15 @@ def norms_of_sample(
     token = torch.stack([top_root(red.token_gram[m]) for m in range(2 * K + 1)])
     frob = torch.linalg.vector_norm(token, dim=-1)  # (Σ_t ‖J_t‖²)^{1/2} ≥ ‖J‖
     stream = torch.stack([red.whole("stream", m) for m in range(2 * K + 1)])
-    logits = (torch.stack([red.whole("logits", k) for k in range(K)]) if how.exact
-              else torch.full((K, H), math.inf, dtype=x.dtype, device=x.device))
+    inf = torch.full((K, H), math.inf, dtype=x.dtype, device=x.device)
+    if how.exact:
+        logits = torch.stack([red.whole("logits", k) for k in range(K)])
+        variance = LogitVariance.stack([
+            logit_variance(torch.cat(red.kept[("logits", k)]), lin.blocks[k].P)
+            for k in range(K)])
+    else:
+        logits = inf
+        variance = LogitVariance(inf, inf, inf[:, 0], inf[:, 0])
     return JacobianNorms(
         stream=torch.minimum(stream, frob),
         stream_token=token,
@@ -308,6 +361,7 @@ def norms_of_sample(
         act_in=[red.unit_sq[k].sqrt() * (1 + 1e-12) for k in range(K)],
         cls=token[-1, 0],
         logits=logits,
+        variance=variance,
         exact=how.exact,
     )
 

@@ -67,6 +67,7 @@ from lipvit.certify.local import (
 )
 from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import (
+    ImagePart,
     RadialSplit,
     TokenRemainder,
     attention_jacobian_norm,
@@ -478,7 +479,8 @@ def _standard_block(
             into = torch.minimum(into, exact.into[k - 1].amax(-1) * a + L1_0 * R_prev)
         rest = into + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
-        r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p))
+        r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p),
+                                  ImagePart(e, rest, jn.variance.block(k)))
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
                                r1_norm, b_p)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)

@@ -24,6 +24,7 @@ from lipvit.certify.evaluate import certify_samples
 from lipvit.certify.lofast import lemma2_matrix, lofast_terms, softmax_local_constant
 from lipvit.certify.remainders import (
     GELU_CURVATURE_MAX,
+    ImagePart,
     attention_jacobian_norm,
     attention_remainder,
     attention_row_norms,
@@ -38,6 +39,8 @@ from lipvit.certify.remainders import (
     relu_remainder,
     softmax_row_gains,
 )
+from lipvit.certify.sites import jacobian_norms
+from lipvit.certify.tangents import logit_variance
 from lipvit.certify.taylor import forward, taylor_bound
 
 from lipvit.cli import main
@@ -413,6 +416,96 @@ def test_attention_remainder_and_jacobian_bound_brute_force(seed, N, H, qk_scale
             bound = attention_remainder(t, torch.tensor([beta], dtype=F64))[0]
             # + float rounding of the sampled remainder (N = 1: linear, bound 0)
             assert found <= bound * (1 + 1e-9) + 1e-14
+
+
+def _variance_grams(T, P):
+    """``(H, N, n, n)``: ``J_{h,r}ᵀ Ds(p_{h,r}) J_{h,r}`` of the logit tangents
+    ``T`` ``(n, H, N, N)`` (``J_{h,r}`` row ``r``'s ``N × n`` map), dense."""
+    Ds = torch.diag_embed(P) - P[..., :, None] * P[..., None, :]  # (H, N, N, N)
+    J = T.permute(1, 2, 3, 0)  # (H, N, N, n)
+    return J.mT @ Ds @ J
+
+
+def _assert_gains(var, grams):
+    """``var`` (:class:`LogitVariance`) equals the dense gains of ``grams``."""
+    top = lambda G: torch.linalg.eigvalsh(G)[..., -1]  # noqa: E731
+    dense = (top(grams.sum(1)), top(grams).amax(-1), top(grams.sum((0, 1))),
+             top(grams.sum(0)).amax(-1))
+    for bound, want in zip(var, dense, strict=True):
+        assert torch.all(want <= bound)
+        assert torch.allclose(bound, want, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_image_logit_variance_gains_brute_force(seed):
+    """``jacobian_norms``' variance gains of the image → attention-logit maps
+    against the dense Jacobian (autograd) and the dense softmax Jacobians."""
+    model = _model("standard", seed)
+    x = torch.rand(1, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    jn = jacobian_norms(model, x)
+    for k, block in enumerate(model.blocks):
+        W_q, W_k = block.attn.head_weights()[:2]
+
+        def logits(img, k=k, W_q=W_q, W_k=W_k):
+            return attention_logits(forward(model, img)[1].attn_in[k], W_q, W_k)[0]
+
+        T = torch.func.jacrev(logits)(x).flatten(3).permute(3, 0, 1, 2)  # (n, H, N, N)
+        P = torch.softmax(logits(x), dim=-1)
+        _assert_gains(jn.variance.block(k)._replace(
+            whole=jn.variance.whole[0, k], row=jn.variance.row[0, k],
+            whole_all=jn.variance.whole_all[0, k], row_all=jn.variance.row_all[0, k]),
+            _variance_grams(T, P))
+
+
+def _on_sphere(t, radius):
+    """Each row of ``t`` (first axis) scaled to norm ``radius``."""
+    norms = t.flatten(1).norm(dim=1).clamp_min(1e-300)
+    return t * (radius / norms).reshape(-1, *[1] * (t.ndim - 1))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("N, H, qk_scale", [(3, 1, 1.0), (4, 2, 4.0), (4, 2, 1.0)])
+def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale):
+    """The remainder bound with the input's move split as ``LΓ + R`` (``L`` a
+    random linear "image" map of 5 dimensions, ``‖Γ‖ ≤ ε``, ``‖R‖ ≤ rest``):
+    above PGD over ``(Γ, R)`` and sampling, float64."""
+    X, W = _layer(seed, N, 4, H, qk_scale)
+    g = torch.Generator().manual_seed(seed + 100)
+    L = torch.randn(5, N, 4, generator=g, dtype=F64) / math.sqrt(N)  # (n, N, D)
+    terms = lofast_terms(X, *W, residual=False)
+    P = torch.softmax(terms.logits, dim=-1)
+    var_row, var_row_all = logit_row_variance_gains(X, W[0], W[1], P)
+    gains = replace(terms, var_gain=logit_variance_gain(X, W[0], W[1], P),
+                    var_row=var_row, var_all=logit_variance_gain_all(X, W[0], W[1], P),
+                    var_row_all=var_row_all)
+    T = torch.func.jvp(lambda U: attention_logits(U, W[0], W[1]),
+                       (X.expand(5, -1, -1).clone(),), (L,))[1]  # (n, H, N, N)
+    var = logit_variance(T, P[0])
+    _assert_gains(var, _variance_grams(T, P[0]))
+    a = lambda U: attention(U[None], *W, residual=False)[0]  # noqa: E731
+    r = _remainder_fn(a, X[0])
+    L_norm = torch.linalg.matrix_norm(L.reshape(5, -1), ord=2)
+    for eps, rest in ((1e-3, 0.0), (0.05, 0.01), (0.3, 0.02), (0.2, 0.2)):
+        gamma = torch.randn(64, 5, generator=g, dtype=F64)
+        R = torch.randn(64, N, 4, generator=g, dtype=F64)
+        found = 0.0
+        for _ in range(30):  # projected gradient ascent on ‖r(X + LΓ + R)‖
+            gamma = _on_sphere(gamma, eps).requires_grad_()
+            R = _on_sphere(R, rest).requires_grad_()
+            move = torch.einsum("bi,iND->bND", gamma, L) + R
+            dev = r(X[0] + move).flatten(1).norm(dim=1)
+            found = max(found, float(dev.max()))
+            dg, dR = torch.autograd.grad(dev.sum(), (gamma, R))
+            gamma = (gamma + 0.2 * _on_sphere(dg, eps)).detach()
+            R = (R + 0.2 * _on_sphere(dR, rest)).detach()
+        one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
+        image = ImagePart(one(eps), one(rest), var._replace(
+            whole=var.whole[None], row=var.row[None], whole_all=var.whole_all[None],
+            row_all=var.row_all[None]))
+        beta = one(float(L_norm) * eps + rest)
+        bound = attention_remainder(gains, beta, None, image)[0]
+        assert found <= bound * (1 + 1e-9) + 1e-14
+        assert bound <= attention_remainder(gains, beta)[0] * (1 + 1e-12)
 
 
 # --------------------------------------------------------------------------
