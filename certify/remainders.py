@@ -528,6 +528,53 @@ def _fourth_root(gain: Tensor, eps: Tensor) -> Tensor:
     return torch.where(gain.isinf(), math.inf, gain.sqrt().sqrt() * eps)
 
 
+class _Softmax(NamedTuple):
+    """Per-head constants of the attention remainder at budget ``β``
+    (docs/taylor.md §7), each ``(B, H)``: ``rho`` ``≥ ‖ΔS_h‖_F``; the softmax
+    Jacobian's norm ``c0`` at the clean logits and ``c_loc`` on the reachable
+    ones; ``quad`` what ``Ds[·]`` of the quadratic logits meets ``ΠXM_h``
+    through; ``mu`` the same for the curvature; ``e_s = e^{√2ρ}``; the
+    logit variance gains ``total`` (all rows) and ``row`` (the largest row) per
+    unit ``‖Γ‖²``; ``quad_b`` ``≥ c^½ ‖A_h‖ β²``."""
+
+    rho: Tensor
+    c0: Tensor
+    c_loc: Tensor
+    quad: Tensor
+    mu: Tensor
+    e_s: Tensor
+    total: Tensor
+    row: Tensor
+    quad_b: Tensor
+
+
+def _softmax_constants(terms: LoFASTTerms, beta: Tensor,
+                       logit_radius: Tensor | None) -> _Softmax:
+    """:class:`_Softmax` of ``terms`` at budget ``beta`` ``(B,)``."""
+    b = beta[:, None]  # (B, 1)
+    rho = b * (terms.m_norm + b * terms.qk_norm) / math.sqrt(terms.head_dim)
+    if logit_radius is not None:
+        rho = torch.minimum(rho, logit_radius)
+    c0 = softmax_local_constant(terms.logits, torch.zeros_like(rho))
+    total = c0 * terms.m_norm**2  # ≥ Σ_r Var_p(u_r) per unit ‖Γ‖²: Var ≤ c ‖u‖²
+    if terms.var_gain is not None:
+        total = torch.minimum(total, terms.var_gain)
+    row = total if terms.var_row is None else torch.minimum(total, terms.var_row)
+    return _Softmax(
+        rho, c0, softmax_local_constant(terms.logits, rho),
+        torch.minimum(c0 * terms.xm_centred, c0.sqrt() * terms.xm_rows),
+        torch.minimum(terms.xm_centred, terms.xm_rows),
+        torch.exp(math.sqrt(2) * rho), total, row,
+        c0.sqrt() * terms.qk_norm * b**2,
+    )
+
+
+def _joint_row_gain(terms: LoFASTTerms, k: _Softmax) -> tuple[Tensor, Tensor]:
+    """``(Σ_{h,r} Var, max_r Σ_h Var)`` gains of all heads at once ``(B,)``."""
+    all_ = k.total.sum(-1) if terms.var_all is None else terms.var_all
+    return all_, torch.minimum(terms.var_row_all, all_)
+
+
 def attention_remainder(
     terms: LoFASTTerms, beta: Tensor, logit_radius: Tensor | None = None,
     image: ImagePart | None = None,
@@ -560,45 +607,83 @@ def attention_remainder(
     N = terms.logits.shape[-1]
     b = beta[:, None]  # (B, 1)
     sqrt_d = math.sqrt(terms.head_dim)
-    rho = b * (terms.m_norm + b * terms.qk_norm) / sqrt_d  # (B, H)
-    if logit_radius is not None:
-        rho = torch.minimum(rho, logit_radius)
-    c0 = softmax_local_constant(terms.logits, torch.zeros_like(rho))
-    c_loc = softmax_local_constant(terms.logits, rho)
-    quad = torch.minimum(c0 * terms.xm_centred, c0.sqrt() * terms.xm_rows)
+    k = _softmax_constants(terms, beta, logit_radius)
     # ‖(‖r_s(u_r)‖₁)_r‖₂ ≤ c′ρ², or e^{√2ρ} ‖(Var_p(u_r))_r‖₂ through the
     # logit variance gains (ν̂ ν)^¼ of the linear part (docs/taylor.md §7)
-    total = c0 * terms.m_norm**2  # ≥ Σ_r Var_p(u_r) per unit ‖Γ‖²: Var ≤ c ‖u‖²
-    if terms.var_gain is not None:
-        total = torch.minimum(total, terms.var_gain)
-    row = total if terms.var_row is None else torch.minimum(total, terms.var_row)
-    quad_b = c0.sqrt() * terms.qk_norm * b**2  # ≥ ‖ΔS_h's quadratic part‖_F √(c d)
-    std = ((row * total).sqrt().sqrt() * b + quad_b) / sqrt_d
-    spread = (total.sqrt() * b + quad_b) / sqrt_d  # ≥ (Σ_r Var_p(u_r))^½
+    std = ((k.row * k.total).sqrt().sqrt() * b + k.quad_b) / sqrt_d
+    spread = (k.total.sqrt() * b + k.quad_b) / sqrt_d  # ≥ (Σ_r Var_p(u_r))^½
     if image is not None:  # u = J_{S←x}Γ (exact gains) + M[R]/√d + quadratic
         e, r = image.eps[:, None], image.rest[:, None]
         std = torch.minimum(std, _fourth_root(image.var.row * image.var.whole, e)
-                            + ((row * total).sqrt().sqrt() * r + quad_b) / sqrt_d)
+                            + ((k.row * k.total).sqrt().sqrt() * r + k.quad_b) / sqrt_d)
         spread = torch.minimum(spread, _fourth_root(image.var.whole ** 2, e)
-                               + (total.sqrt() * r + quad_b) / sqrt_d)
-    mu = torch.minimum(terms.xm_centred, terms.xm_rows)
-    e_s = torch.exp(math.sqrt(2) * rho)
-    curv = mu * torch.minimum(c_loc * rho**2, e_s * std**2)  # (B, H)
-    first = (quad * terms.qk_norm * b**2 / sqrt_d).sum(-1)
+                               + (k.total.sqrt() * r + k.quad_b) / sqrt_d)
+    curv = k.mu * torch.minimum(k.c_loc * k.rho**2, k.e_s * std**2)  # (B, H)
+    first = (k.quad * terms.qk_norm * b**2 / sqrt_d).sum(-1)
     # ‖P′_h − P_h‖_F: c′ρ, or (c′ e^s Σ_r Var_p(u_r))^½ (‖Ds(q)u‖² ≤ ‖Ds(q)‖ Var_q(u))
-    cross = torch.minimum(torch.minimum(c_loc * rho, (c_loc * e_s).sqrt() * spread),
-                          torch.full_like(rho, math.sqrt(2 * N)))
-    out = first + curv.sum(-1) + (cross * terms.vo_norm * b).sum(-1)
+    cross = torch.minimum(k.c_loc * k.rho, (k.c_loc * k.e_s).sqrt() * spread)
+    cross = cross.clamp_max(math.sqrt(2 * N))
+    out = first + (cross * terms.vo_norm * b).sum(-1)
     if terms.var_row_all is None:
-        return out
+        return out + curv.sum(-1)
     # All heads at once: row r's curvature is at most max_h(e^{s_h} μ_h) Σ_h Var_{h,r}
-    all_ = total.sum(-1) if terms.var_all is None else terms.var_all  # (B,)
-    row_all = torch.minimum(terms.var_row_all, all_)
-    quad_all = torch.linalg.vector_norm(quad_b, dim=-1)
+    all_, row_all = _joint_row_gain(terms, k)
+    quad_all = torch.linalg.vector_norm(k.quad_b, dim=-1)
     std_all = ((row_all * all_).sqrt().sqrt() * beta + quad_all) / sqrt_d
     if image is not None:
         std_all = torch.minimum(
             std_all, _fourth_root(image.var.row_all * image.var.whole_all, image.eps)
             + ((row_all * all_).sqrt().sqrt() * image.rest + quad_all) / sqrt_d)
-    joint = (e_s * mu).amax(-1) * std_all**2
-    return torch.minimum(out, out - curv.sum(-1) + joint)
+    joint = (k.e_s * k.mu).amax(-1) * std_all**2
+    return out + torch.minimum(curv.sum(-1), joint)
+
+
+def attention_row_remainders(
+    terms: LoFASTTerms, beta: Tensor, beta_tok: Tensor,
+    logit_radius: Tensor | None = None, image: ImagePart | None = None,
+) -> Tensor:
+    """Bound on each output token's ``‖(a(X+Γ) − a(X) − J_a Γ)_t‖`` ``(B, N)``
+    for ``‖Γ‖_F ≤ β`` with ``‖Γ_t‖ ≤ β_t`` (``beta_tok`` ``(B, N)``),
+    docs/taylor.md §7 (*by rows*).
+
+    Row ``t`` of the remainder is ``Σ_h (Ds(p_{h,t})[q] + r_s(u))ᵀ ΠXM_h +
+    (p′_{h,t} − p_{h,t})ᵀ Γ M_h`` with ``u`` row ``t`` of ``ΔS_h`` and ``q =
+    Γ_t A_h Γᵀ/√d`` its quadratic part, ``‖q‖ ≤ β_t ‖A_h‖ β/√d``; the
+    linear part's variance is at most the largest row's gain ``ν̂_h β²/d``
+    (or through the image), so ``Var_p(u)^½ ≤ (ν̂_h^½ β + c_h^½‖A_h‖β_t β)/√d``
+    and ``‖r_s(u)‖₁ ≤ e^{√2ρ_h} Var_p(u)``; ``‖p′ − p‖ ≤ min(c′ρ_h,
+    (c′e^{√2ρ_h} Var_p(u))^½, √2)`` and ``‖ΓM_h‖ ≤ β ‖M_h‖``. Also all heads'
+    curvature at once (``max_h(e^{s_h} μ_h) Σ_h Var_{h,t}``). Never above
+    :func:`attention_remainder`'s whole bound (each row is part of it)."""
+    whole = attention_remainder(terms, beta, logit_radius, image)
+    b, bt = beta[:, None, None], beta_tok[:, None]  # (B, 1, 1), (B, 1, N)
+    sqrt_d = math.sqrt(terms.head_dim)
+    k = _softmax_constants(terms, beta, logit_radius)
+    h = lambda t: t[..., None]  # noqa: E731  (B, H) → (B, H, 1) against tokens
+    q_t = terms.qk_norm[..., None] * bt * b / sqrt_d  # (B, H, N): ≥ ‖q‖
+    lin = h(k.row).sqrt() * b / sqrt_d  # (B, H, 1): ≥ Var^½ of the linear part
+    if image is not None:
+        e, r = image.eps[:, None, None], image.rest[:, None, None]
+        lin = torch.minimum(lin, _fourth_root(h(image.var.row) ** 2, e)
+                            + h(k.row).sqrt() * r / sqrt_d)
+    std = lin + h(k.c0).sqrt() * q_t  # (B, H, N) ≥ Var_p(u)^½
+    still = std == 0  # no logit moves: no curvature, p′ = p (even where e^s = ∞)
+    curv = torch.where(still, 0.0, h(k.mu) * torch.minimum(
+        h(k.c_loc * k.rho**2), h(k.e_s) * std**2))  # ‖r_s(u)‖₁ ≤ c′‖u‖² too
+    first = h(k.quad) * q_t
+    cross = torch.where(still, 0.0, h(k.c_loc * k.e_s).sqrt() * std)
+    cross = torch.minimum(h(k.c_loc * k.rho), cross)
+    cross = cross.clamp_max(math.sqrt(2))
+    out = (first + cross * h(terms.vo_norm) * b).sum(1)  # (B, N)
+    curv = curv.sum(1)
+    if terms.var_row_all is not None:
+        _, row_all = _joint_row_gain(terms, k)
+        lin_all = row_all.sqrt()[:, None] * beta[:, None] / sqrt_d  # (B, 1)
+        if image is not None:
+            lin_all = torch.minimum(
+                lin_all, _fourth_root(image.var.row_all**2, image.eps)[:, None]
+                + row_all.sqrt()[:, None] * image.rest[:, None] / sqrt_d)
+        quad_all = torch.linalg.vector_norm(h(k.c0).sqrt() * q_t, dim=1)  # (B, N)
+        joint = (k.e_s * k.mu).amax(-1)[:, None] * (lin_all + quad_all) ** 2
+        curv = torch.minimum(curv, joint)
+    return torch.minimum(out + curv, whole[:, None])

@@ -73,6 +73,7 @@ from lipvit.certify.remainders import (
     attention_jacobian_norm,
     attention_remainder,
     attention_row_norms,
+    attention_row_remainders,
     gelu_curvature,
     layer_project_directional,
     layer_project_remainder,
@@ -159,14 +160,15 @@ def _attention_gains(
 def _after_attention(
     e: Tensor, jn: JacobianNorms, sym: Carried, m: int, b: Budget,
     a: AttentionGains, r_N: Tensor, r_a: Tensor, chain: Tensor, r_whole: Tensor,
-    b_p: Tensor,
+    b_p: Tensor, r_a_tok: Tensor | None = None,
 ) -> Budget:
     """Stream state ``m``'s budget after the attention sub-block, docs/taylor.md §8.
 
     The other remainders grow to ``λ acc + r_a + ‖J_a‖ ‖r_N‖`` (``r_N`` the
     norm's remainder, ``r_a`` the attention's); token ``t`` keeps its own
     ``acc_t`` (the residual) and receives at most ``‖(J_a)_t‖`` times the
-    attention input's other perturbations ``‖J_N‖ acc + ‖r_N‖``, plus ``r_a``.
+    attention input's other perturbations ``‖J_N‖ acc + ‖r_N‖``, plus its
+    row of the remainder (``r_a_tok`` ``(B, N)``, or ``r_a``).
 
     Lipschitz recursion, from the input's budget alone:
     ``Γ_mid = (I + J_a J_N)Γ + J_a r + r_a`` gives ``λβ + ‖J_a‖‖r‖ + ‖r_a‖``
@@ -176,10 +178,11 @@ def _after_attention(
     """
     acc = a.lam * b.acc + r_a + a.J_a * r_N
     into = a.L_N * b.acc + r_N  # (B,)
-    acc_token = b.acc_token + a.rows * into[:, None] + r_a[:, None]
+    r_t = r_a[:, None] if r_a_tok is None else r_a_tok
+    acc_token = b.acc_token + a.rows * into[:, None] + r_t
     budget = _budget(e, jn, sym, m, acc, chain, acc_token)
     return _capped(budget, a.lam * b.all + a.J_a * r_whole + r_a,
-                   b.token + a.rows * b_p[:, None] + r_a[:, None])
+                   b.token + a.rows * b_p[:, None] + r_t)
 
 
 def _capped(b: Budget, whole: Tensor, token: Tensor) -> Budget:
@@ -479,10 +482,17 @@ def _standard_block(
             into = torch.minimum(into, exact.into[k - 1].amax(-1) * a + L1_0 * R_prev)
         rest = into + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
-        r_a = attention_remainder(terms, b_p, _logit_radius(terms, jn, k, e, rest, b_p),
-                                  ImagePart(e, rest, jn.variance.block(k)))
+        logit_radius = _logit_radius(terms, jn, k, e, rest, b_p)
+        image = ImagePart(e, rest, jn.variance.block(k))
+        r_a = attention_remainder(terms, b_p, logit_radius, image)
+        # token t of LN₁'s output moves by at most its local constant × b_t
+        L1_t = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.token.amax(-1),
+                                         per_token=True)  # (B, N)
+        b_tok = torch.minimum(b_p[:, None],
+                              torch.where(b.token == 0, 0.0, b.token * L1_t))
+        r_a_tok = attention_row_remainders(terms, b_p, b_tok, logit_radius, image)
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
-                               r1_norm, b_p)
+                               r1_norm, b_p, r_a_tok)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)
         delta = (jn.act_in[k] * e[:, None, None] + gain * mid.acc_token[..., None]
                  + r2.at(mid.token)[..., None] * w1_norm)  # (B, N, m)

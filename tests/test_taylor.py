@@ -28,6 +28,7 @@ from lipvit.certify.remainders import (
     attention_jacobian_norm,
     attention_remainder,
     attention_row_norms,
+    attention_row_remainders,
     gelu_curvature,
     layer_project_directional,
     layer_project_remainder,
@@ -457,6 +458,17 @@ def test_image_logit_variance_gains_brute_force(seed):
             _variance_grams(T, P))
 
 
+def _variance_terms(X, W):
+    """The bare attention's terms at ``X`` with the logit variance gains, and
+    its probabilities ``(B, H, N, N)``."""
+    terms = lofast_terms(X, *W, residual=False)
+    P = torch.softmax(terms.logits, dim=-1)
+    var_row, var_row_all = logit_row_variance_gains(X, W[0], W[1], P)
+    return replace(terms, var_gain=logit_variance_gain(X, W[0], W[1], P),
+                   var_row=var_row, var_all=logit_variance_gain_all(X, W[0], W[1], P),
+                   var_row_all=var_row_all), P
+
+
 def _on_sphere(t, radius):
     """Each row of ``t`` (first axis) scaled to norm ``radius``."""
     norms = t.flatten(1).norm(dim=1).clamp_min(1e-300)
@@ -472,12 +484,7 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
     X, W = _layer(seed, N, 4, H, qk_scale)
     g = torch.Generator().manual_seed(seed + 100)
     L = torch.randn(5, N, 4, generator=g, dtype=F64) / math.sqrt(N)  # (n, N, D)
-    terms = lofast_terms(X, *W, residual=False)
-    P = torch.softmax(terms.logits, dim=-1)
-    var_row, var_row_all = logit_row_variance_gains(X, W[0], W[1], P)
-    gains = replace(terms, var_gain=logit_variance_gain(X, W[0], W[1], P),
-                    var_row=var_row, var_all=logit_variance_gain_all(X, W[0], W[1], P),
-                    var_row_all=var_row_all)
+    gains, P = _variance_terms(X, W)
     T = torch.func.jvp(lambda U: attention_logits(U, W[0], W[1]),
                        (X.expand(5, -1, -1).clone(),), (L,))[1]  # (n, H, N, N)
     var = logit_variance(T, P[0])
@@ -485,27 +492,75 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
     a = lambda U: attention(U[None], *W, residual=False)[0]  # noqa: E731
     r = _remainder_fn(a, X[0])
     L_norm = torch.linalg.matrix_norm(L.reshape(5, -1), ord=2)
+    one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
     for eps, rest in ((1e-3, 0.0), (0.05, 0.01), (0.3, 0.02), (0.2, 0.2)):
-        gamma = torch.randn(64, 5, generator=g, dtype=F64)
-        R = torch.randn(64, N, 4, generator=g, dtype=F64)
-        found = 0.0
-        for _ in range(30):  # projected gradient ascent on ‖r(X + LΓ + R)‖
-            gamma = _on_sphere(gamma, eps).requires_grad_()
-            R = _on_sphere(R, rest).requires_grad_()
-            move = torch.einsum("bi,iND->bND", gamma, L) + R
-            dev = r(X[0] + move).flatten(1).norm(dim=1)
-            found = max(found, float(dev.max()))
-            dg, dR = torch.autograd.grad(dev.sum(), (gamma, R))
-            gamma = (gamma + 0.2 * _on_sphere(dg, eps)).detach()
-            R = (R + 0.2 * _on_sphere(dR, rest)).detach()
-        one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
         image = ImagePart(one(eps), one(rest), var._replace(
             whole=var.whole[None], row=var.row[None], whole_all=var.whole_all[None],
             row_all=var.row_all[None]))
         beta = one(float(L_norm) * eps + rest)
         bound = attention_remainder(gains, beta, None, image)[0]
-        assert found <= bound * (1 + 1e-9) + 1e-14
+        rows = attention_row_remainders(gains, beta, beta.expand(1, N), None, image)[0]
         assert bound <= attention_remainder(gains, beta)[0] * (1 + 1e-12)
+        for t in (None, *range(N)):  # the whole remainder, then each token's
+            found = _image_pgd(r, X[0], L, eps, rest, t, g)
+            assert found <= (bound if t is None else rows[t]) * (1 + 1e-9) + 1e-14
+
+
+def _image_pgd(r, X, L, eps, rest, t, g):
+    """Largest ``‖r(X + LΓ + R)‖`` (token ``t``'s row, or all) PGD finds over
+    ``‖Γ‖ ≤ eps``, ``‖R‖ ≤ rest``."""
+    gamma = torch.randn(64, L.shape[0], generator=g, dtype=F64)
+    R = torch.randn(64, *X.shape, generator=g, dtype=F64)
+    found = 0.0
+    for _ in range(30):  # projected gradient ascent
+        gamma = _on_sphere(gamma, eps).requires_grad_()
+        R = _on_sphere(R, rest).requires_grad_()
+        dev = r(X + torch.einsum("bi,iND->bND", gamma, L) + R)
+        dev = (dev if t is None else dev[:, t]).flatten(1).norm(dim=1)
+        found = max(found, float(dev.max()))
+        dg, dR = torch.autograd.grad(dev.sum(), (gamma, R))
+        gamma = (gamma + 0.2 * _on_sphere(dg, eps)).detach()
+        R = (R + 0.2 * _on_sphere(dR, rest)).detach()
+    return found
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("N, H, qk_scale", [(3, 1, 1.0), (4, 2, 4.0), (5, 2, 1.0)])
+def test_attention_row_remainders_brute_force(seed, N, H, qk_scale):
+    """Each output token's remainder bound, with per-token caps ``‖Γ_t‖ ≤ β_t``
+    on the input's move, above PGD on that token's remainder over the
+    feasible set, and never above the whole bound; float64 (through the image:
+    the test above)."""
+    X, W = _layer(seed, N, 4, H, qk_scale)
+    g = torch.Generator().manual_seed(seed + 200)
+    gains, _ = _variance_terms(X, W)
+    a = lambda U: attention(U[None], *W, residual=False)[0]  # noqa: E731
+    r = _remainder_fn(a, X[0])
+    one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
+    for beta in (1e-3, 0.05, 0.3):
+        caps = beta * (0.2 + torch.rand(N, generator=g, dtype=F64))  # some below β
+        bounds = attention_row_remainders(gains, one(beta), caps[None])[0]  # (N,)
+        whole = attention_remainder(gains, one(beta))[0]
+        assert torch.all(bounds <= whole * (1 + 1e-12))
+        for t in range(N):
+            G = torch.randn(32, N, 4, generator=g, dtype=F64)
+            found = 0.0
+            for _ in range(30):  # projected ascent on ‖r_t‖, feasible points only
+                G = _feasible(G, caps, beta).requires_grad_()
+                dev = r(X[0] + G)[:, t].norm(dim=-1)
+                found = max(found, float(dev.max()))
+                (dG,) = torch.autograd.grad(dev.sum(), G)
+                G = (G + 0.2 * _on_sphere(dG, beta)).detach()
+            assert found <= bounds[t] * (1 + 1e-9) + 1e-14, (beta, t, found, bounds)
+
+
+def _feasible(G, caps, beta):
+    """``G`` ``(b, N, D)`` with each token at most ``caps`` ``(N,)`` and the whole
+    at most ``beta`` (scaling down keeps the token caps)."""
+    tok = G.norm(dim=-1, keepdim=True)
+    G = G * torch.clamp(caps[:, None] / tok.clamp_min(1e-300), max=1.0)
+    return G * torch.clamp(beta / G.flatten(1).norm(dim=1).clamp_min(1e-300),
+                           max=1.0)[:, None, None]
 
 
 # --------------------------------------------------------------------------
