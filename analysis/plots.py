@@ -281,7 +281,8 @@ def plot_certification_gap(
     left_out = int((~keep).sum())
     if left_out:
         handles.append(Line2D([], [], linestyle="none"))
-        labels.append(f"{left_out} samples not drawn (misclassified, or no "
+        noun = "sample" if left_out == 1 else "samples"
+        labels.append(f"{left_out} {noun} not drawn (misclassified, or no "
                       "adversarial point found)")
     if use_log:
         ax.set_xscale("log")

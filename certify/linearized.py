@@ -45,7 +45,8 @@ from lipvit.model import ViT
 
 Visit = Callable[[str, int, Tensor], None]
 """``(kind, index, tangents)``: ``kind`` is ``"stream"`` (index ``m``, ``(c, N, D)``),
-``"attn_in"``, ``"logits"`` (``(c, H, N, N)``) or ``"act_in"`` (``(c, N, m)``),
+``"attn_in"``, ``"logits"`` (``(c, H, N, N)``), ``"queries"`` and ``"keys"``
+(``(c, H, N, d)``: ``p W_q[h]``, ``p W_k[h]``) or ``"act_in"`` (``(c, N, m)``),
 each indexed by block."""
 
 
@@ -162,8 +163,9 @@ class Linearized:
         ``s_{2·first}`` (block ``first``'s input) through blocks ``first, …``;
         ``visit`` receives every site input's tangents in order (the first
         stream state included). ``logits``: also visit each block's
-        attention-logit tangents ``dS_h``. ``inject = (site, U)``: add ``U`` at
-        block ``first``'s ``"norm1"`` or ``"norm2"`` output."""
+        attention-logit tangents ``dS_h`` and its query and key tangents.
+        ``inject = (site, U)``: add ``U`` at block ``first``'s ``"norm1"`` or
+        ``"norm2"`` output."""
         visit("stream", 2 * first, T)
         for k in range(first, len(self.blocks)):
             b = self.blocks[k]
@@ -197,6 +199,8 @@ class Linearized:
         dS = dS + (dK @ b.Q_t).reshape(H, c, N, N).transpose(-1, -2)  # + Q dKᵀ/√d
         if logits:
             visit("logits", k, dS.transpose(0, 1))  # (c, H, N, N)
+            for kind, T in (("queries", dQ), ("keys", dK)):
+                visit(kind, k, T.reshape(H, c, N, d).transpose(0, 1))  # (c, H, N, d)
         G = b.P[:, None] * dS  # (H, c, N, N): P ⊙ dS
         r = G.sum(-1, keepdim=True)
         out = (G.reshape(H, c * N, N) @ b.V).reshape(H, c, N, d) - r * b.PV[:, None]

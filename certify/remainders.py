@@ -513,14 +513,19 @@ def attention_row_norms(terms: LoFASTTerms) -> Tensor:
 
 
 class ImagePart(NamedTuple):
-    """The attention input's move split as ``J_{p←x}Γ + R`` (``‖Γ‖ ≤ eps``,
+    """The attention input's move ``Δ = J_{p←x}Γ + R`` (``‖Γ‖ ≤ eps``,
     ``‖R‖ ≤ rest``, both ``(B,)``), with the image → logit map's variance
     gains ``var`` (:class:`~lipvit.certify.tangents.LogitVariance`, ``(B, H)``
-    and ``(B,)``), docs/taylor.md §7 (*through the image*)."""
+    and ``(B,)``) and bounds on the quadratic logits from the image → query
+    and key maps: ``quad`` ``(B, H)`` ``≥ ‖ΔA_hΔᵀ‖_F`` and ``quad_row``
+    ``(B, H)`` with ``‖Δ_tA_hΔᵀ‖ ≤ quad_row ‖Δ_t‖``; docs/taylor.md §7
+    (*through the image*)."""
 
     eps: Tensor
     rest: Tensor
     var: LogitVariance
+    quad: Tensor
+    quad_row: Tensor
 
 
 def _fourth_root(gain: Tensor, eps: Tensor) -> Tensor:
@@ -535,7 +540,8 @@ class _Softmax(NamedTuple):
     ones; ``quad`` what ``Ds[·]`` of the quadratic logits meets ``ΠXM_h``
     through; ``mu`` the same for the curvature; ``e_s = e^{√2ρ}``; the
     logit variance gains ``total`` (all rows) and ``row`` (the largest row) per
-    unit ``‖Γ‖²``; ``quad_b`` ``≥ c^½ ‖A_h‖ β²``."""
+    unit ``‖Γ‖²``; ``qq`` ``≥ ‖ΓA_hΓᵀ‖_F`` (``‖A_h‖β²``, or through the
+    image) and ``quad_b = c^½ qq``."""
 
     rho: Tensor
     c0: Tensor
@@ -545,14 +551,19 @@ class _Softmax(NamedTuple):
     e_s: Tensor
     total: Tensor
     row: Tensor
+    qq: Tensor
     quad_b: Tensor
 
 
 def _softmax_constants(terms: LoFASTTerms, beta: Tensor,
-                       logit_radius: Tensor | None) -> _Softmax:
+                       logit_radius: Tensor | None, image: ImagePart | None
+                       ) -> _Softmax:
     """:class:`_Softmax` of ``terms`` at budget ``beta`` ``(B,)``."""
     b = beta[:, None]  # (B, 1)
-    rho = b * (terms.m_norm + b * terms.qk_norm) / math.sqrt(terms.head_dim)
+    qq = terms.qk_norm * b**2  # ≥ ‖ΓA_hΓᵀ‖_F
+    if image is not None:
+        qq = torch.minimum(qq, image.quad)
+    rho = (b * terms.m_norm + qq) / math.sqrt(terms.head_dim)
     if logit_radius is not None:
         rho = torch.minimum(rho, logit_radius)
     c0 = softmax_local_constant(terms.logits, torch.zeros_like(rho))
@@ -564,8 +575,7 @@ def _softmax_constants(terms: LoFASTTerms, beta: Tensor,
         rho, c0, softmax_local_constant(terms.logits, rho),
         torch.minimum(c0 * terms.xm_centred, c0.sqrt() * terms.xm_rows),
         torch.minimum(terms.xm_centred, terms.xm_rows),
-        torch.exp(math.sqrt(2) * rho), total, row,
-        c0.sqrt() * terms.qk_norm * b**2,
+        torch.exp(math.sqrt(2) * rho), total, row, qq, c0.sqrt() * qq,
     )
 
 
@@ -607,7 +617,7 @@ def attention_remainder(
     N = terms.logits.shape[-1]
     b = beta[:, None]  # (B, 1)
     sqrt_d = math.sqrt(terms.head_dim)
-    k = _softmax_constants(terms, beta, logit_radius)
+    k = _softmax_constants(terms, beta, logit_radius, image)
     # ‖(‖r_s(u_r)‖₁)_r‖₂ ≤ c′ρ², or e^{√2ρ} ‖(Var_p(u_r))_r‖₂ through the
     # logit variance gains (ν̂ ν)^¼ of the linear part (docs/taylor.md §7)
     std = ((k.row * k.total).sqrt().sqrt() * b + k.quad_b) / sqrt_d
@@ -619,7 +629,7 @@ def attention_remainder(
         spread = torch.minimum(spread, _fourth_root(image.var.whole ** 2, e)
                                + (k.total.sqrt() * r + k.quad_b) / sqrt_d)
     curv = k.mu * torch.minimum(k.c_loc * k.rho**2, k.e_s * std**2)  # (B, H)
-    first = (k.quad * terms.qk_norm * b**2 / sqrt_d).sum(-1)
+    first = (k.quad * k.qq / sqrt_d).sum(-1)
     # ‖P′_h − P_h‖_F: c′ρ, or (c′ e^s Σ_r Var_p(u_r))^½ (‖Ds(q)u‖² ≤ ‖Ds(q)‖ Var_q(u))
     cross = torch.minimum(k.c_loc * k.rho, (k.c_loc * k.e_s).sqrt() * spread)
     cross = cross.clamp_max(math.sqrt(2 * N))
@@ -658,9 +668,11 @@ def attention_row_remainders(
     whole = attention_remainder(terms, beta, logit_radius, image)
     b, bt = beta[:, None, None], beta_tok[:, None]  # (B, 1, 1), (B, 1, N)
     sqrt_d = math.sqrt(terms.head_dim)
-    k = _softmax_constants(terms, beta, logit_radius)
+    k = _softmax_constants(terms, beta, logit_radius, image)
     h = lambda t: t[..., None]  # noqa: E731  (B, H) → (B, H, 1) against tokens
-    q_t = terms.qk_norm[..., None] * bt * b / sqrt_d  # (B, H, N): ≥ ‖q‖
+    q_t = h(terms.qk_norm) * bt * b / sqrt_d  # (B, H, N): ≥ ‖q‖
+    if image is not None:
+        q_t = torch.minimum(q_t, h(image.quad_row) * bt / sqrt_d)
     lin = h(k.row).sqrt() * b / sqrt_d  # (B, H, 1): ≥ Var^½ of the linear part
     if image is not None:
         e, r = image.eps[:, None, None], image.rest[:, None, None]

@@ -257,6 +257,8 @@ def jacobian_norms(
         act_in=[torch.stack([p.act_in[k] for p in per]) for k in range(K)],
         cls=torch.stack([p.cls for p in per]),
         logits=torch.stack([p.logits for p in per]),
+        queries=torch.stack([p.queries for p in per]),
+        keys=torch.stack([p.keys for p in per]),
         variance=LogitVariance.stack([p.variance for p in per]),
         exact=all(p.exact for p in per),
     )

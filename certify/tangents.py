@@ -20,8 +20,8 @@ few at a time and reduced as they come:
   ``‖J‖ ≤ ‖Q‖``, with equality when ``J`` is block diagonal (the patch
   embedding) or its blocks share singular vectors. Each block norm is exact
   (a ``C p² × C p²`` Gram matrix), ``‖Q‖`` is an ``N × (N−1)`` problem, and the
-  bound is also capped by ``(Σ_t ‖J_t‖²)^{1/2}``. The attention-logit norms
-  are left to LoFAST's bound there (``+inf``).
+  bound is also capped by ``(Σ_t ‖J_t‖²)^{1/2}``. The attention-logit, query
+  and key norms are left to LoFAST's bound there (``+inf``).
 
 Memory: the tangents held at once (``max_memory`` bytes, :func:`plan`).
 """
@@ -165,12 +165,12 @@ def taylor_batch(model: ViT, max_memory: int | None) -> int:
 def _bytes(model: ViT) -> tuple[int, int, int, int]:
     """Float64 bytes: the per-token Gram matrices of every stream state; one
     tangent held at every site input; one tangent's push temporaries; one
-    tangent's attention logits (kept in the exact mode)."""
+    tangent's attention logits, queries and keys (kept in the exact mode)."""
     N, D, H, m, K, _ = _sizes(model)
     fixed = 8 * (2 * K + 1) * N * D * D
     held = 8 * ((3 * K + 1) * N * D + K * N * m)
     work = 8 * (6 * H * N * N + 8 * N * max(D, m))
-    return fixed, held, work, 8 * K * H * N * N
+    return fixed, held, work, 8 * K * (H * N * N + 2 * N * D)
 
 
 def patch_order(model: ViT) -> Tensor:
@@ -181,6 +181,10 @@ def patch_order(model: ViT) -> Tensor:
     idx = torch.arange(cfg.in_chans * S * S, dtype=torch.float64)
     patches = model.patch_embed.patches(idx.reshape(1, cfg.in_chans, S, S))
     return patches.reshape(-1).round().long()
+
+
+PER_HEAD = ("logits", "queries", "keys")
+"""The site kinds whose whole-matrix norms are per head (exact mode only)."""
 
 
 class LogitVariance(NamedTuple):
@@ -244,6 +248,8 @@ class JacobianNorms:
         logits: per block and head ``(B, K, H)``: the attention logits
             ``S_h = p A_h pᵀ/√d`` (``p`` the attention's input); ``+inf`` where
             not ``exact`` (the certificate then uses LoFAST's logit bound).
+        queries, keys: per block and head ``(B, K, H)``: ``p W_q[h]`` and
+            ``p W_k[h]``; ``+inf`` where not ``exact``.
         variance: per block ``(B, K, …)``, the logits' variance gains
             (:class:`LogitVariance`); ``+inf`` where not ``exact``.
         exact: whether the whole-matrix norms are exact.
@@ -255,6 +261,8 @@ class JacobianNorms:
     act_in: list[Tensor]
     cls: Tensor
     logits: Tensor
+    queries: Tensor
+    keys: Tensor
     variance: LogitVariance
     exact: bool = True
 
@@ -284,7 +292,7 @@ class _Reduce:
                 else gram
         if self.exact:
             self.kept.setdefault((kind, i), []).append(T)
-        elif kind != "logits":
+        elif kind not in PER_HEAD:
             self.blocks.setdefault((kind, i), []).append(self._block_norms(T))
 
     def _block_norms(self, T: Tensor) -> Tensor:
@@ -306,7 +314,7 @@ class _Reduce:
         """``‖J‖`` of the whole map at ``(kind, i)``: exact or the block bound."""
         if self.exact:
             T = torch.cat(self.kept[(kind, i)])  # (n, …)
-            if kind == "logits":  # (n, H, N, N) → per head
+            if kind in PER_HEAD:  # (n, H, …) → per head
                 return gram_norm(T.flatten(2).transpose(0, 1))  # (H,)
             return gram_norm(T.flatten(1))
         Q = torch.cat(self.blocks[(kind, i)], dim=1)  # (N, G)
@@ -347,12 +355,13 @@ def norms_of_sample(
     stream = torch.stack([red.whole("stream", m) for m in range(2 * K + 1)])
     inf = torch.full((K, H), math.inf, dtype=x.dtype, device=x.device)
     if how.exact:
-        logits = torch.stack([red.whole("logits", k) for k in range(K)])
+        logits, queries, keys = (torch.stack([red.whole(kind, k) for k in range(K)])
+                                 for kind in PER_HEAD)
         variance = LogitVariance.stack([
             logit_variance(torch.cat(red.kept[("logits", k)]), lin.blocks[k].P)
             for k in range(K)])
     else:
-        logits = inf
+        logits = queries = keys = inf
         variance = LogitVariance(inf, inf, inf[:, 0], inf[:, 0])
     return JacobianNorms(
         stream=torch.minimum(stream, frob),
@@ -361,6 +370,8 @@ def norms_of_sample(
         act_in=[red.unit_sq[k].sqrt() * (1 + 1e-12) for k in range(K)],
         cls=token[-1, 0],
         logits=logits,
+        queries=queries,
+        keys=keys,
         variance=variance,
         exact=how.exact,
     )

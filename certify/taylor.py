@@ -193,16 +193,39 @@ def _capped(b: Budget, whole: Tensor, token: Tensor) -> Budget:
     return b._replace(all=whole, token=token)
 
 
+def _times(J: Tensor, e: Tensor) -> Tensor:
+    """``J ε`` for image Jacobian norms ``J`` ``(B, H)``: ``+inf`` where ``J`` is
+    (not computed), even at ``ε = 0``."""
+    return torch.where(J.isinf(), math.inf, J * e[:, None])
+
+
 def _logit_radius(
-    terms, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor, b_p: Tensor
+    terms, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor, b_p: Tensor,
+    quad: Tensor | None = None,
 ) -> Tensor:
     """``‖ΔS_h‖_F ≤ ‖J_{S_h←x}‖ε + (‖M_h(X)‖ rest + ‖A_h‖ β_p²)/√d`` ``(B, H)``
     (docs/taylor.md §7): the attention input moves by ``J_{p←x}Γ`` plus at most
-    ``rest``, and ``M_h[J_{p←x}Γ]/√d = J_{S_h←x}Γ`` is exact."""
-    quad = terms.m_norm * rest[:, None] + terms.qk_norm * b_p[:, None] ** 2
-    J_S = jn.logits[:, k]  # (B, H); +inf where not computed (large images)
-    first = torch.where(J_S.isinf(), math.inf, J_S * e[:, None])  # inf·0 is no bound
-    return first + quad / math.sqrt(terms.head_dim)
+    ``rest``, and ``M_h[J_{p←x}Γ]/√d = J_{S_h←x}Γ`` is exact. ``quad``: a
+    tighter bound on ``‖ΔA_hΔᵀ‖_F`` than ``‖A_h‖β_p²``, if any."""
+    qq = terms.qk_norm * b_p[:, None] ** 2
+    if quad is not None:
+        qq = torch.minimum(qq, quad)
+    first = _times(jn.logits[:, k], e)  # +inf where not computed (large images)
+    return first + (terms.m_norm * rest[:, None] + qq) / math.sqrt(terms.head_dim)
+
+
+def _image_part(block, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor
+                ) -> ImagePart:
+    """Block ``k``'s attention input as ``J_{p←x}Γ + R`` (``‖R‖ ≤ rest``),
+    docs/taylor.md §7: ``‖ΔW_q[h]‖_F ≤ ‖J_{Q_h←x}‖ε + ‖W_q[h]‖ rest`` and the
+    same for the keys, so ``‖ΔA_hΔᵀ‖_F ≤ ‖ΔW_q‖_F ‖ΔW_k‖_F`` and row ``t``'s
+    ``‖Δ_tA_hΔᵀ‖ ≤ ‖W_q[h]‖ ‖Δ_t‖ ‖ΔW_k‖_F``."""
+    W_q, W_k = block.attn.head_weights()[:2]  # (H, D, d)
+    w_q, w_k = spectral_norm(W_q), spectral_norm(W_k)  # (H,)
+    a_q = _times(jn.queries[:, k], e) + w_q * rest[:, None]  # (B, H)
+    a_k = _times(jn.keys[:, k], e) + w_k * rest[:, None]
+    quad, row = (torch.nan_to_num(t, nan=math.inf) for t in (a_q * a_k, w_q * a_k))
+    return ImagePart(e, rest, jn.variance.block(k), quad, row)  # 0·∞ is no bound
 
 
 def _budget(
@@ -482,8 +505,8 @@ def _standard_block(
             into = torch.minimum(into, exact.into[k - 1].amax(-1) * a + L1_0 * R_prev)
         rest = into + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
-        logit_radius = _logit_radius(terms, jn, k, e, rest, b_p)
-        image = ImagePart(e, rest, jn.variance.block(k))
+        image = _image_part(block, jn, k, e, rest)
+        logit_radius = _logit_radius(terms, jn, k, e, rest, b_p, image.quad)
         r_a = attention_remainder(terms, b_p, logit_radius, image)
         # token t of LN₁'s output moves by at most its local constant × b_t
         L1_t = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.token.amax(-1),

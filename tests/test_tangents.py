@@ -49,7 +49,7 @@ def _collect(lin: Linearized, T: torch.Tensor, first: int, **kw) -> dict:
 @pytest.mark.parametrize("kw", [{}, {"attn_project": "token"}, {"depth": 3}])
 def test_push_is_forward_mode_ad(family, seed, kw):
     """Every site input's tangent, from the image, equals forward-mode AD
-    through :func:`forward` (the attention logits too)."""
+    through :func:`forward` (the attention logits, queries and keys too)."""
     if family == "standard" and "attn_project" in kw:
         kw = {"num_heads": 1}
     model = _model(family, seed, **kw)
@@ -70,6 +70,9 @@ def test_push_is_forward_mode_ad(family, seed, kw):
             p = rec.attn_in[k]
             S = torch.einsum("bnd,hde,hme,bkm->bhnk", p, W.W_q, W.W_k, p)
             want[("logits", k)] = fwAD.unpack_dual(S).tangent / W.W_q.shape[-1] ** 0.5
+            for kind, Wx in (("queries", W.W_q), ("keys", W.W_k)):
+                want[(kind, k)] = fwAD.unpack_dual(torch.einsum("bnd,hde->bhne", p, Wx)
+                                                   ).tangent
     assert set(got) == set(want)
     for key, T in want.items():
         assert torch.allclose(got[key], T, rtol=1e-10, atol=1e-13), key

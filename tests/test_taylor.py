@@ -41,7 +41,7 @@ from lipvit.certify.remainders import (
     softmax_row_gains,
 )
 from lipvit.certify.sites import jacobian_norms
-from lipvit.certify.tangents import logit_variance
+from lipvit.certify.tangents import LogitVariance, logit_variance
 from lipvit.certify.taylor import forward, taylor_bound
 
 from lipvit.cli import main
@@ -440,7 +440,8 @@ def _assert_gains(var, grams):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_image_logit_variance_gains_brute_force(seed):
     """``jacobian_norms``' variance gains of the image → attention-logit maps
-    against the dense Jacobian (autograd) and the dense softmax Jacobians."""
+    against the dense Jacobian (autograd) and the dense softmax Jacobians; its
+    query and key norms against the dense Jacobians."""
     model = _model("standard", seed)
     x = torch.rand(1, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     jn = jacobian_norms(model, x)
@@ -452,10 +453,14 @@ def test_image_logit_variance_gains_brute_force(seed):
 
         T = torch.func.jacrev(logits)(x).flatten(3).permute(3, 0, 1, 2)  # (n, H, N, N)
         P = torch.softmax(logits(x), dim=-1)
-        _assert_gains(jn.variance.block(k)._replace(
-            whole=jn.variance.whole[0, k], row=jn.variance.row[0, k],
-            whole_all=jn.variance.whole_all[0, k], row_all=jn.variance.row_all[0, k]),
-            _variance_grams(T, P))
+        _assert_gains(LogitVariance(*(f[0] for f in jn.variance.block(k))),
+                      _variance_grams(T, P))
+        for W, got in ((W_q, jn.queries[0, k]), (W_k, jn.keys[0, k])):
+            J = torch.func.jacrev(lambda img, k=k, W=W: torch.einsum(
+                "nD,hDd->hnd", forward(model, img)[1].attn_in[k][0], W))(x)
+            want = torch.linalg.matrix_norm(J.flatten(1, 2).flatten(2), ord=2)  # (H,)
+            assert torch.all(want <= got)
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 def _variance_terms(X, W):
@@ -493,10 +498,14 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
     r = _remainder_fn(a, X[0])
     L_norm = torch.linalg.matrix_norm(L.reshape(5, -1), ord=2)
     one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
+    # ‖ΔW_q[h]‖_F ≤ ‖L W_q[h]‖ε + ‖W_q[h]‖ rest, and the keys alike
+    J_q, J_k = (torch.linalg.matrix_norm(
+        torch.einsum("iND,hDd->hiNd", L, Wx).flatten(2), ord=2) for Wx in W[:2])
+    w_q, w_k = (torch.linalg.matrix_norm(Wx, ord=2) for Wx in W[:2])
     for eps, rest in ((1e-3, 0.0), (0.05, 0.01), (0.3, 0.02), (0.2, 0.2)):
-        image = ImagePart(one(eps), one(rest), var._replace(
-            whole=var.whole[None], row=var.row[None], whole_all=var.whole_all[None],
-            row_all=var.row_all[None]))
+        a_q, a_k = J_q * eps + w_q * rest, J_k * eps + w_k * rest
+        image = ImagePart(one(eps), one(rest), LogitVariance.stack([var]),
+                          (a_q * a_k)[None], (w_q * a_k)[None])
         beta = one(float(L_norm) * eps + rest)
         bound = attention_remainder(gains, beta, None, image)[0]
         rows = attention_row_remainders(gains, beta, beta.expand(1, N), None, image)[0]
