@@ -25,7 +25,7 @@ token matrix), ``m`` hidden units, ``D`` width, ``H`` heads.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from lipvit.certify.attention import query_key
@@ -37,8 +37,10 @@ from lipvit.certify.lofast import (
     softmax_local_constant,
 )
 from lipvit.certify.structured import U, certified_lambda_max_small, gamma, up
-from lipvit.certify.tangents import LogitVariance
 from torch import Tensor
+
+if TYPE_CHECKING:  # tangents imports this module's users
+    from lipvit.certify.tangents import LogitVariance
 
 #: ``max_x |GELU''(x)| = 2 φ(0) = √(2/π)`` (erf GELU; GELU'' = φ(x)(2 − x²)).
 GELU_CURVATURE_MAX = math.sqrt(2 / math.pi)
@@ -533,7 +535,7 @@ def _fourth_root(gain: Tensor, eps: Tensor) -> Tensor:
     return torch.where(gain.isinf(), math.inf, gain.sqrt().sqrt() * eps)
 
 
-class _Softmax(NamedTuple):
+class SoftmaxConstants(NamedTuple):
     """Per-head constants of the attention remainder at budget ``β``
     (docs/taylor.md §7), each ``(B, H)``: ``rho`` ``≥ ‖ΔS_h‖_F``; the softmax
     Jacobian's norm ``c0`` at the clean logits and ``c_loc`` on the reachable
@@ -555,10 +557,10 @@ class _Softmax(NamedTuple):
     quad_b: Tensor
 
 
-def _softmax_constants(terms: LoFASTTerms, beta: Tensor,
+def softmax_constants(terms: LoFASTTerms, beta: Tensor,
                        logit_radius: Tensor | None, image: ImagePart | None
-                       ) -> _Softmax:
-    """:class:`_Softmax` of ``terms`` at budget ``beta`` ``(B,)``."""
+                       ) -> SoftmaxConstants:
+    """:class:`SoftmaxConstants` of ``terms`` at budget ``beta`` ``(B,)``."""
     b = beta[:, None]  # (B, 1)
     qq = terms.qk_norm * b**2  # ≥ ‖ΓA_hΓᵀ‖_F
     if image is not None:
@@ -571,7 +573,7 @@ def _softmax_constants(terms: LoFASTTerms, beta: Tensor,
     if terms.var_gain is not None:
         total = torch.minimum(total, terms.var_gain)
     row = total if terms.var_row is None else torch.minimum(total, terms.var_row)
-    return _Softmax(
+    return SoftmaxConstants(
         rho, c0, softmax_local_constant(terms.logits, rho),
         torch.minimum(c0 * terms.xm_centred, c0.sqrt() * terms.xm_rows),
         torch.minimum(terms.xm_centred, terms.xm_rows),
@@ -579,7 +581,21 @@ def _softmax_constants(terms: LoFASTTerms, beta: Tensor,
     )
 
 
-def _joint_row_gain(terms: LoFASTTerms, k: _Softmax) -> tuple[Tensor, Tensor]:
+def linear_std(k: SoftmaxConstants, beta: Tensor, head_dim: int,
+               image: ImagePart | None) -> Tensor:
+    """``(B, H)`` bound on ``‖(Var_{p_r}(a_r)^½)_r‖_4`` for the linear part
+    ``a = M_h(X)[Γ]/√d`` of the logit change: ``(ν̂ ν)^¼ β/√d``, or through
+    the image ``(ν̂_x ν_x)^¼ ε + (ν̂ ν)^¼ rest/√d`` (docs/taylor.md §7)."""
+    gain = (k.row * k.total).sqrt().sqrt() / math.sqrt(head_dim)
+    std = gain * beta[:, None]
+    if image is not None:
+        std = torch.minimum(std, _fourth_root(image.var.row * image.var.whole,
+                                              image.eps[:, None])
+                            + gain * image.rest[:, None])
+    return std
+
+
+def _joint_row_gain(terms: LoFASTTerms, k: SoftmaxConstants) -> tuple[Tensor, Tensor]:
     """``(Σ_{h,r} Var, max_r Σ_h Var)`` gains of all heads at once ``(B,)``."""
     all_ = k.total.sum(-1) if terms.var_all is None else terms.var_all
     return all_, torch.minimum(terms.var_row_all, all_)
@@ -617,15 +633,13 @@ def attention_remainder(
     N = terms.logits.shape[-1]
     b = beta[:, None]  # (B, 1)
     sqrt_d = math.sqrt(terms.head_dim)
-    k = _softmax_constants(terms, beta, logit_radius, image)
+    k = softmax_constants(terms, beta, logit_radius, image)
     # ‖(‖r_s(u_r)‖₁)_r‖₂ ≤ c′ρ², or e^{√2ρ} ‖(Var_p(u_r))_r‖₂ through the
     # logit variance gains (ν̂ ν)^¼ of the linear part (docs/taylor.md §7)
-    std = ((k.row * k.total).sqrt().sqrt() * b + k.quad_b) / sqrt_d
+    std = linear_std(k, beta, terms.head_dim, image) + k.quad_b / sqrt_d
     spread = (k.total.sqrt() * b + k.quad_b) / sqrt_d  # ≥ (Σ_r Var_p(u_r))^½
     if image is not None:  # u = J_{S←x}Γ (exact gains) + M[R]/√d + quadratic
         e, r = image.eps[:, None], image.rest[:, None]
-        std = torch.minimum(std, _fourth_root(image.var.row * image.var.whole, e)
-                            + ((k.row * k.total).sqrt().sqrt() * r + k.quad_b) / sqrt_d)
         spread = torch.minimum(spread, _fourth_root(image.var.whole ** 2, e)
                                + (k.total.sqrt() * r + k.quad_b) / sqrt_d)
     curv = k.mu * torch.minimum(k.c_loc * k.rho**2, k.e_s * std**2)  # (B, H)
@@ -668,7 +682,7 @@ def attention_row_remainders(
     whole = attention_remainder(terms, beta, logit_radius, image)
     b, bt = beta[:, None, None], beta_tok[:, None]  # (B, 1, 1), (B, 1, N)
     sqrt_d = math.sqrt(terms.head_dim)
-    k = _softmax_constants(terms, beta, logit_radius, image)
+    k = softmax_constants(terms, beta, logit_radius, image)
     h = lambda t: t[..., None]  # noqa: E731  (B, H) → (B, H, 1) against tokens
     q_t = h(terms.qk_norm) * bt * b / sqrt_d  # (B, H, N): ≥ ‖q‖
     if image is not None:

@@ -252,6 +252,10 @@ class JacobianNorms:
             ``p W_k[h]``; ``+inf`` where not ``exact``.
         variance: per block ``(B, K, …)``, the logits' variance gains
             (:class:`LogitVariance`); ``+inf`` where not ``exact``.
+        attn_hessian: per block ``(B, K)``: ``σ`` with ``‖½D²a[J_{p←x}Γ,
+            J_{p←x}Γ]‖ ≤ σ‖Γ‖²`` for the bare attention ``a``
+            (:func:`lipvit.certify.second_order.attention_hessian_norm`);
+            ``+inf`` where not ``exact`` or too large.
         exact: whether the whole-matrix norms are exact.
     """
 
@@ -264,6 +268,7 @@ class JacobianNorms:
     queries: Tensor
     keys: Tensor
     variance: LogitVariance
+    attn_hessian: Tensor
     exact: bool = True
 
 
@@ -360,8 +365,12 @@ def norms_of_sample(
         variance = LogitVariance.stack([
             logit_variance(torch.cat(red.kept[("logits", k)]), lin.blocks[k].P)
             for k in range(K)])
+        from lipvit.certify.second_order import attention_hessian_norm  # imports us
+        hessian = torch.stack([attention_hessian_norm(
+            lin.blocks[k], torch.cat(red.kept[("attn_in", k)])) for k in range(K)])
     else:
         logits = queries = keys = inf
+        hessian = inf[:, 0]
         variance = LogitVariance(inf, inf, inf[:, 0], inf[:, 0])
     return JacobianNorms(
         stream=torch.minimum(stream, frob),
@@ -373,6 +382,7 @@ def norms_of_sample(
         queries=queries,
         keys=keys,
         variance=variance,
+        attn_hessian=hessian,
         exact=how.exact,
     )
 

@@ -80,6 +80,7 @@ from lipvit.certify.remainders import (
     layer_project_split,
     layernorm_curvature,
 )
+from lipvit.certify.second_order import second_order_remainder
 from lipvit.certify.sites import (
     SITES,
     JacobianNorms,
@@ -507,13 +508,18 @@ def _standard_block(
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         image = _image_part(block, jn, k, e, rest)
         logit_radius = _logit_radius(terms, jn, k, e, rest, b_p, image.quad)
-        r_a = attention_remainder(terms, b_p, logit_radius, image)
         # token t of LN₁'s output moves by at most its local constant × b_t
         L1_t = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.token.amax(-1),
                                          per_token=True)  # (B, N)
         b_tok = torch.minimum(b_p[:, None],
                               torch.where(b.token == 0, 0.0, b.token * L1_t))
-        r_a_tok = attention_row_remainders(terms, b_p, b_tok, logit_radius, image)
+        r_a = torch.minimum(  # to first order, or to second through the image
+            attention_remainder(terms, b_p, logit_radius, image),
+            second_order_remainder(terms, b_p, image, jn.attn_hessian[:, k],
+                                   jn.attn_in[:, k] * e, b_tok.amax(-1), logit_radius))
+        r_a_tok = torch.minimum(
+            attention_row_remainders(terms, b_p, b_tok, logit_radius, image),
+            r_a[:, None])
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
                                r1_norm, b_p, r_a_tok)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)

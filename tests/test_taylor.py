@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,6 +40,11 @@ from lipvit.certify.remainders import (
     logit_variance_gain_all,
     relu_remainder,
     softmax_row_gains,
+)
+from lipvit.certify.second_order import (
+    attention_hessian_norm,
+    second_order_remainder,
+    third_order,
 )
 from lipvit.certify.sites import jacobian_norms
 from lipvit.certify.tangents import LogitVariance, logit_variance
@@ -502,6 +508,7 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
     J_q, J_k = (torch.linalg.matrix_norm(
         torch.einsum("iND,hDd->hiNd", L, Wx).flatten(2), ord=2) for Wx in W[:2])
     w_q, w_k = (torch.linalg.matrix_norm(Wx, ord=2) for Wx in W[:2])
+    sigma = attention_hessian_norm(_clean_block(X, W), L)  # ‖½D²a[Lv,Lv]‖ ≤ σ‖v‖²
     for eps, rest in ((1e-3, 0.0), (0.05, 0.01), (0.3, 0.02), (0.2, 0.2)):
         a_q, a_k = J_q * eps + w_q * rest, J_k * eps + w_k * rest
         image = ImagePart(one(eps), one(rest), LogitVariance.stack([var]),
@@ -510,9 +517,13 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
         bound = attention_remainder(gains, beta, None, image)[0]
         rows = attention_row_remainders(gains, beta, beta.expand(1, N), None, image)[0]
         assert bound <= attention_remainder(gains, beta)[0] * (1 + 1e-12)
+        second = second_order_remainder(gains, beta, image, sigma[None],
+                                        one(float(L_norm) * eps), beta, None)[0]
         for t in (None, *range(N)):  # the whole remainder, then each token's
             found = _image_pgd(r, X[0], L, eps, rest, t, g)
             assert found <= (bound if t is None else rows[t]) * (1 + 1e-9) + 1e-14
+            if t is None:  # to second order through the image
+                assert found <= second * (1 + 1e-9) + 1e-14, (eps, rest, found, second)
 
 
 def _image_pgd(r, X, L, eps, rest, t, g):
@@ -570,6 +581,74 @@ def _feasible(G, caps, beta):
     G = G * torch.clamp(caps[:, None] / tok.clamp_min(1e-300), max=1.0)
     return G * torch.clamp(beta / G.flatten(1).norm(dim=1).clamp_min(1e-300),
                            max=1.0)[:, None, None]
+
+
+def _clean_block(X, W):
+    """The clean-point data :func:`attention_hessian_norm` reads, for the bare
+    attention of ``_layer``'s weights at ``X`` ``(1, N, D)``."""
+    W_q, W_k, W_v, W_o = W
+    H, D, d = W_q.shape
+    Q, K, V = (torch.einsum("nD,hDd->hnd", X[0], Wx) for Wx in (W_q, W_k, W_v))
+    return SimpleNamespace(
+        P=torch.softmax(Q @ K.mT / math.sqrt(d), dim=-1), V=V,
+        Q_t=(Q / math.sqrt(d)).mT, K_t=(K / math.sqrt(d)).mT,
+        W_qkv=torch.cat([Wx.permute(1, 0, 2).reshape(D, H * d) for Wx in W[:3]], 1),
+        W_o=W_o.reshape(H * d, D))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("N, H, qk_scale", [(3, 1, 1.0), (4, 2, 4.0)])
+def test_attention_hessian_norm_brute_force(seed, N, H, qk_scale):
+    """The closed-form second derivatives along a random "image" map ``L``
+    against autograd's (forward over forward), and ``σ`` against the norm of
+    their dense matrix and the largest ``‖½D²a[Lv,Lv]‖`` power iteration finds."""
+    X, W = _layer(seed, N, 4, H, qk_scale)
+    L = torch.randn(5, N, 4, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    a = lambda v: attention((X[0] + torch.einsum("i,iND->ND", v, L))[None], *W,  # noqa: E731
+                            residual=False)[0].reshape(-1)
+    Hs = torch.func.jacfwd(torch.func.jacfwd(a))(torch.zeros(5, dtype=F64))  # (ND,n,n)
+    sigma = attention_hessian_norm(_clean_block(X, W), L)
+    want = 0.5 * torch.linalg.matrix_norm(Hs.reshape(Hs.shape[0], -1), ord=2)
+    assert want <= sigma and torch.allclose(sigma, want, rtol=1e-9)
+    v = torch.randn(5, generator=torch.Generator().manual_seed(1), dtype=F64)
+    for _ in range(100):  # a lower bound on max ‖½H[v,v]‖ over unit v
+        w = torch.einsum("kij,j->ki", Hs, v)
+        v = torch.einsum("kij,k,j->i", Hs, torch.einsum("ki,i->k", w, v), v)
+        v = v / v.norm()
+    assert 0.5 * torch.einsum("kij,i,j->k", Hs, v, v).norm() <= sigma
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("N, H, qk_scale", [(3, 1, 1.0), (4, 2, 4.0), (4, 2, 1.0)])
+def test_third_order_remainder_brute_force(seed, N, H, qk_scale):
+    """``‖a(X+Δ) − a(X) − J_aΔ − ½D²a[Δ,Δ]‖`` over ``‖Δ‖ ≤ β`` with each token
+    at most ``δ``: PGD stays below :func:`third_order`, float64."""
+    X, W = _layer(seed, N, 4, H, qk_scale)
+    g = torch.Generator().manual_seed(seed + 300)
+    gains, _ = _variance_terms(X, W)
+    a = lambda U: attention(U[None], *W, residual=False)[0]  # noqa: E731
+
+    def r3(G):  # (b, N, D) → the third-order remainder of each
+        def one(Gi):
+            lin = torch.func.jvp(a, (X[0],), (Gi,))[1]
+            hess = torch.func.jvp(lambda U: torch.func.jvp(a, (U,), (Gi,))[1],
+                                  (X[0],), (Gi,))[1]
+            return a(X[0] + Gi) - a(X[0]) - lin - 0.5 * hess
+        return torch.stack([one(Gi) for Gi in G])
+
+    one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
+    for beta in (0.05, 0.3, 1.0):
+        caps = torch.full((N,), 0.7 * beta, dtype=F64)
+        bound = third_order(gains, one(beta), one(0.7 * beta), None, None)[0]
+        G = torch.randn(16, N, 4, generator=g, dtype=F64)
+        found = 0.0
+        for _ in range(25):
+            G = _feasible(G, caps, beta).requires_grad_()
+            dev = r3(G).flatten(1).norm(dim=1)
+            found = max(found, float(dev.max()))
+            (dG,) = torch.autograd.grad(dev.sum(), G)
+            G = (G + 0.2 * _on_sphere(dG, beta)).detach()
+        assert found <= bound * (1 + 1e-9) + 1e-14, (beta, found, bound)
 
 
 # --------------------------------------------------------------------------
@@ -824,8 +903,6 @@ def test_cli_certify_taylor(ckpt, tmp_path):
 
 @pytest.mark.parametrize("family", ["lipschitz", "standard"])
 def test_logit_jacobian_norms_are_exact(family):
-    from lipvit.certify.sites import jacobian_norms
-
     model = _model(family, 0)
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(3))
     jn = jacobian_norms(model, x)
