@@ -520,14 +520,22 @@ class ImagePart(NamedTuple):
     gains ``var`` (:class:`~lipvit.certify.tangents.LogitVariance`, ``(B, H)``
     and ``(B,)``) and bounds on the quadratic logits from the image → query
     and key maps: ``quad`` ``(B, H)`` ``≥ ‖ΔA_hΔᵀ‖_F`` and ``quad_row``
-    ``(B, H)`` with ``‖Δ_tA_hΔᵀ‖ ≤ quad_row ‖Δ_t‖``; docs/taylor.md §7
-    (*through the image*)."""
+    ``(B, H)`` with ``‖Δ_tA_hΔᵀ‖ ≤ quad_row ‖Δ_t‖``; ``logit_row`` ``(B, H)``
+    the largest image → logit-row map norm (per unit ``ε``; ``+inf`` where
+    not computed); docs/taylor.md §7 (*through the image*)."""
 
     eps: Tensor
     rest: Tensor
     var: LogitVariance
     quad: Tensor
     quad_row: Tensor
+    logit_row: Tensor
+
+
+def image_times(gain: Tensor, eps: Tensor) -> Tensor:
+    """``gain ε`` ``(B, H)`` for image gains ``(B, H)`` and ``ε`` ``(B,)``:
+    ``+inf`` where ``gain`` is (not computed), even at ``ε = 0``."""
+    return torch.where(gain.isinf(), math.inf, gain * eps[:, None])
 
 
 def _fourth_root(gain: Tensor, eps: Tensor) -> Tensor:

@@ -26,6 +26,7 @@ from lipvit.certify.lofast import LoFASTTerms
 from lipvit.certify.remainders import (
     ImagePart,
     attention_remainder,
+    image_times,
     linear_std,
     softmax_constants,
 )
@@ -111,7 +112,9 @@ def third_order(terms: LoFASTTerms, beta: Tensor, delta_max: Tensor,
 
     Row by row at the probabilities ``q = p(t)`` (within ``p e^{±s}``, ``s =
     √2ρ_h``, so ``Var_q ≤ e^s Var_p``): ``‖D³s[u,u,u]‖₁ ≤ 5 M Var_q(u)`` (``M ≥
-    max_k|u′_k|``, ``≤ √2‖u‖ ≤ 2√2ρ_h``), ``‖D²s[a,b]‖₁ ≤ 2(Var a Var b)^½``,
+    max_k|u′_k|``, ``≤ √2‖u_r‖ ≤ √2(‖a_r‖ + 2‖q_r‖)``, at most ``2√2ρ_h`` and
+    ``√2(max_r‖a_r‖ + 2‖A_h‖δβ/√d)`` with the image's largest logit-row gain
+    in ``max_r‖a_r‖``), ``‖D²s[a,b]‖₁ ≤ 2(Var a Var b)^½``,
     ``‖Ds[a]‖₁ ≤ Var^½``; a zero-sum row meets ``V(t)`` through its half
     diameter ``≤ m_h + ‖W_vo‖δ`` and ``E`` through ``‖W_vo‖δ`` (``δ`` =
     ``delta_max``); ``Var_p(u_r(t))^½ ≤ σ_r = Var_p(a_r)^½ + 2c^½‖q_r‖`` (``a`` the
@@ -122,7 +125,15 @@ def third_order(terms: LoFASTTerms, beta: Tensor, delta_max: Tensor,
     q_f = k.qq / sqrt_d  # (B, H) ≥ ‖Q‖_F
     c = k.c0.sqrt()
     std3 = linear_std(k, beta, terms.head_dim, image) + 2 * c * q_f
-    M = 2 * math.sqrt(2) * k.rho
+    # max_k |u′_k| ≤ √2 ‖u_r‖ ≤ √2 (‖a_r‖ + 2‖q_r‖) for every row, ≤ 2√2ρ_h
+    q_row = terms.qk_norm * beta[:, None]
+    a_row = terms.m_norm * beta[:, None] / sqrt_d
+    if image is not None:
+        q_row = torch.minimum(q_row, image.quad_row)
+        a_row = torch.minimum(a_row, image_times(image.logit_row, image.eps)
+                              + terms.m_norm * image.rest[:, None] / sqrt_d)
+    M = math.sqrt(2) * torch.minimum(2 * k.rho,
+                                     a_row + 2 * q_row * delta_max[:, None] / sqrt_d)
     e_max = terms.vo_norm * delta_max[:, None]  # (B, H)
     m_t = terms.xm_rows + e_max
     curv = (5 * M * m_t + 6 * e_max) * std3**2 + 12 * m_t * c * std3 * q_f

@@ -259,6 +259,7 @@ def jacobian_norms(
         logits=torch.stack([p.logits for p in per]),
         queries=torch.stack([p.queries for p in per]),
         keys=torch.stack([p.keys for p in per]),
+        logit_rows=torch.stack([p.logit_rows for p in per]),
         attn_hessian=torch.stack([p.attn_hessian for p in per]),
         variance=LogitVariance.stack([p.variance for p in per]),
         exact=all(p.exact for p in per),

@@ -250,12 +250,16 @@ class JacobianNorms:
             not ``exact`` (the certificate then uses LoFAST's logit bound).
         queries, keys: per block and head ``(B, K, H)``: ``p W_q[h]`` and
             ``p W_k[h]``; ``+inf`` where not ``exact``.
+        logit_rows: per block and head ``(B, K, H)``: the largest over rows
+            ``r`` of the image → row ``r`` of ``S_h`` map's norm; ``+inf`` where
+            not ``exact``.
         variance: per block ``(B, K, …)``, the logits' variance gains
             (:class:`LogitVariance`); ``+inf`` where not ``exact``.
         attn_hessian: per block ``(B, K)``: ``σ`` with ``‖½D²a[J_{p←x}Γ,
             J_{p←x}Γ]‖ ≤ σ‖Γ‖²`` for the bare attention ``a``
             (:func:`lipvit.certify.second_order.attention_hessian_norm`);
-            ``+inf`` where not ``exact`` or too large.
+            ``+inf`` where not ``exact``, too large, or in the lipschitz family
+            (whose certificate does not use it).
         exact: whether the whole-matrix norms are exact.
     """
 
@@ -267,6 +271,7 @@ class JacobianNorms:
     logits: Tensor
     queries: Tensor
     keys: Tensor
+    logit_rows: Tensor
     variance: LogitVariance
     attn_hessian: Tensor
     exact: bool = True
@@ -362,14 +367,18 @@ def norms_of_sample(
     if how.exact:
         logits, queries, keys = (torch.stack([red.whole(kind, k) for k in range(K)])
                                  for kind in PER_HEAD)
+        logit_rows = torch.stack([  # (n, H, N, N) → (H, N, n, N): per head and row
+            gram_norm(torch.cat(red.kept[("logits", k)]).permute(1, 2, 0, 3)).amax(-1)
+            for k in range(K)])
         variance = LogitVariance.stack([
             logit_variance(torch.cat(red.kept[("logits", k)]), lin.blocks[k].P)
             for k in range(K)])
         from lipvit.certify.second_order import attention_hessian_norm  # imports us
-        hessian = torch.stack([attention_hessian_norm(
-            lin.blocks[k], torch.cat(red.kept[("attn_in", k)])) for k in range(K)])
+        hessian = inf[:, 0] if lin.lipschitz else torch.stack([  # standard only
+            attention_hessian_norm(lin.blocks[k], torch.cat(red.kept[("attn_in", k)]))
+            for k in range(K)])
     else:
-        logits = queries = keys = inf
+        logits = queries = keys = logit_rows = inf
         hessian = inf[:, 0]
         variance = LogitVariance(inf, inf, inf[:, 0], inf[:, 0])
     return JacobianNorms(
@@ -381,6 +390,7 @@ def norms_of_sample(
         logits=logits,
         queries=queries,
         keys=keys,
+        logit_rows=logit_rows,
         variance=variance,
         attn_hessian=hessian,
         exact=how.exact,

@@ -75,6 +75,7 @@ from lipvit.certify.remainders import (
     attention_row_norms,
     attention_row_remainders,
     gelu_curvature,
+    image_times,
     layer_project_directional,
     layer_project_remainder,
     layer_project_split,
@@ -194,12 +195,6 @@ def _capped(b: Budget, whole: Tensor, token: Tensor) -> Budget:
     return b._replace(all=whole, token=token)
 
 
-def _times(J: Tensor, e: Tensor) -> Tensor:
-    """``J ε`` for image Jacobian norms ``J`` ``(B, H)``: ``+inf`` where ``J`` is
-    (not computed), even at ``ε = 0``."""
-    return torch.where(J.isinf(), math.inf, J * e[:, None])
-
-
 def _logit_radius(
     terms, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor, b_p: Tensor,
     quad: Tensor | None = None,
@@ -211,7 +206,7 @@ def _logit_radius(
     qq = terms.qk_norm * b_p[:, None] ** 2
     if quad is not None:
         qq = torch.minimum(qq, quad)
-    first = _times(jn.logits[:, k], e)  # +inf where not computed (large images)
+    first = image_times(jn.logits[:, k], e)  # +inf where not computed (large images)
     return first + (terms.m_norm * rest[:, None] + qq) / math.sqrt(terms.head_dim)
 
 
@@ -223,10 +218,11 @@ def _image_part(block, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor
     ``‖Δ_tA_hΔᵀ‖ ≤ ‖W_q[h]‖ ‖Δ_t‖ ‖ΔW_k‖_F``."""
     W_q, W_k = block.attn.head_weights()[:2]  # (H, D, d)
     w_q, w_k = spectral_norm(W_q), spectral_norm(W_k)  # (H,)
-    a_q = _times(jn.queries[:, k], e) + w_q * rest[:, None]  # (B, H)
-    a_k = _times(jn.keys[:, k], e) + w_k * rest[:, None]
+    a_q = image_times(jn.queries[:, k], e) + w_q * rest[:, None]  # (B, H)
+    a_k = image_times(jn.keys[:, k], e) + w_k * rest[:, None]
     quad, row = (torch.nan_to_num(t, nan=math.inf) for t in (a_q * a_k, w_q * a_k))
-    return ImagePart(e, rest, jn.variance.block(k), quad, row)  # 0·∞ is no bound
+    return ImagePart(e, rest, jn.variance.block(k), quad, row,  # 0·∞ is no bound
+                     jn.logit_rows[:, k])
 
 
 def _budget(

@@ -461,6 +461,9 @@ def test_image_logit_variance_gains_brute_force(seed):
         P = torch.softmax(logits(x), dim=-1)
         _assert_gains(LogitVariance(*(f[0] for f in jn.variance.block(k))),
                       _variance_grams(T, P))
+        rows = torch.linalg.matrix_norm(T.permute(1, 2, 0, 3), ord=2).amax(-1)  # (H,)
+        assert torch.all(rows <= jn.logit_rows[0, k])
+        assert torch.allclose(jn.logit_rows[0, k], rows, rtol=1e-9, atol=1e-12)
         for W, got in ((W_q, jn.queries[0, k]), (W_k, jn.keys[0, k])):
             J = torch.func.jacrev(lambda img, k=k, W=W: torch.einsum(
                 "nD,hDd->hnd", forward(model, img)[1].attn_in[k][0], W))(x)
@@ -500,8 +503,8 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
                        (X.expand(5, -1, -1).clone(),), (L,))[1]  # (n, H, N, N)
     var = logit_variance(T, P[0])
     _assert_gains(var, _variance_grams(T, P[0]))
-    a = lambda U: attention(U[None], *W, residual=False)[0]  # noqa: E731
-    r = _remainder_fn(a, X[0])
+    row_gain = torch.linalg.matrix_norm(T.permute(1, 2, 0, 3), ord=2).amax(-1)  # (H,)
+    r = _batched_remainder(X, W)
     L_norm = torch.linalg.matrix_norm(L.reshape(5, -1), ord=2)
     one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
     # ‖ΔW_q[h]‖_F ≤ ‖L W_q[h]‖ε + ‖W_q[h]‖ rest, and the keys alike
@@ -512,7 +515,7 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
     for eps, rest in ((1e-3, 0.0), (0.05, 0.01), (0.3, 0.02), (0.2, 0.2)):
         a_q, a_k = J_q * eps + w_q * rest, J_k * eps + w_k * rest
         image = ImagePart(one(eps), one(rest), LogitVariance.stack([var]),
-                          (a_q * a_k)[None], (w_q * a_k)[None])
+                          (a_q * a_k)[None], (w_q * a_k)[None], row_gain[None])
         beta = one(float(L_norm) * eps + rest)
         bound = attention_remainder(gains, beta, None, image)[0]
         rows = attention_row_remainders(gains, beta, beta.expand(1, N), None, image)[0]
@@ -524,6 +527,19 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
             assert found <= (bound if t is None else rows[t]) * (1 + 1e-9) + 1e-14
             if t is None:  # to second order through the image
                 assert found <= second * (1 + 1e-9) + 1e-14, (eps, rest, found, second)
+
+
+def _batched_remainder(X, W):
+    """``U ↦ a(U) − a(X) − J_a(U − X)`` for a batch ``U`` ``(b, N, D)`` of the
+    bare attention of ``_layer``'s weights at ``X`` ``(1, N, D)``."""
+    a = lambda U: attention(U, *W, residual=False)  # noqa: E731
+    J = torch.func.jacrev(lambda U: a(U[None])[0])(X[0]).reshape(X[0].numel(), -1)
+    f0 = a(X)
+
+    def r(U):
+        return a(U) - f0 - ((U - X).flatten(1) @ J.T).reshape(U.shape)
+
+    return r
 
 
 def _image_pgd(r, X, L, eps, rest, t, g):
@@ -554,8 +570,7 @@ def test_attention_row_remainders_brute_force(seed, N, H, qk_scale):
     X, W = _layer(seed, N, 4, H, qk_scale)
     g = torch.Generator().manual_seed(seed + 200)
     gains, _ = _variance_terms(X, W)
-    a = lambda U: attention(U[None], *W, residual=False)[0]  # noqa: E731
-    r = _remainder_fn(a, X[0])
+    r = _batched_remainder(X, W)
     one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
     for beta in (1e-3, 0.05, 0.3):
         caps = beta * (0.2 + torch.rand(N, generator=g, dtype=F64))  # some below β
@@ -634,7 +649,7 @@ def test_third_order_remainder_brute_force(seed, N, H, qk_scale):
             hess = torch.func.jvp(lambda U: torch.func.jvp(a, (U,), (Gi,))[1],
                                   (X[0],), (Gi,))[1]
             return a(X[0] + Gi) - a(X[0]) - lin - 0.5 * hess
-        return torch.stack([one(Gi) for Gi in G])
+        return torch.func.vmap(one)(G)
 
     one = lambda v: torch.tensor([v], dtype=F64)  # noqa: E731
     for beta in (0.05, 0.3, 1.0):
