@@ -15,7 +15,10 @@ logits) are the clean point's exact Jacobians; ``c_jᵀJ`` and ``c_jᵀG_site``
 are gradients of the margin ``f_j − f_y`` with respect to the image and to a
 zero tensor added at the site's output, one backward pass per class, batched.
 ``ρ_site`` (:mod:`lipvit.certify.remainders`) bounds the remainder (or its weighted
-sum over tokens and units) when the site's input moves by at most ``β_site``.
+sum over tokens and units) when the site's input moves by at most ``β_site``;
+a standard model's attention also takes the smaller of that and its
+remainder to second order through the image
+(:mod:`lipvit.certify.second_order`), whole and per output token.
 
 Perturbation budgets β (docs/taylor.md §8). On the residual stream
 ``s_0`` (block 0's input), ``s_1`` (block 0's middle), …, ``s_{2K}``:
