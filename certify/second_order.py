@@ -90,12 +90,12 @@ def _gram(M: Tensor) -> Tensor:
 
 def quadratic_coefficient(terms: LoFASTTerms) -> Tensor:
     """``q`` ``(B,)`` with ``‖½D²a(p)[x,x]‖ ≤ q‖x‖²`` for every ``x``: the
-    budget-only bound over ``β²`` at ``β = 10⁻⁸``. ``r(tx)/t² → ½D²a[x,x]`` as
-    ``t → 0`` and each of the bound's terms over ``β²`` is nondecreasing in
-    ``β`` (the ``√(2N)`` cap is inactive that small), so the ratio at any ``β``
-    is at least the limit."""
-    beta = torch.full((terms.logits.shape[0],), 1e-8, dtype=terms.logits.dtype,
-                      device=terms.logits.device)
+    budget-only bound over ``β²`` at ``β = 10⁻⁸/(1 + max_h‖M_h(X)‖)``.
+    ``r(tx)/t² → ½D²a[x,x]`` as ``t → 0`` and each of the bound's terms over
+    ``β²`` is nondecreasing in ``β`` except the probabilities' cap ``√(2N)``,
+    which needs ``c′ρ_h ≥ √(2N)`` and so is inactive at that ``β`` (``c′ ≤ ½``,
+    ``ρ_h ≤ β(‖M_h‖ + β‖A_h‖)/√d``): the ratio there is at least the limit."""
+    beta = 1e-8 / (1 + terms.m_norm.amax(-1))  # (B,)
     return attention_remainder(terms, beta) / beta**2
 
 
