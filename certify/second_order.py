@@ -111,7 +111,9 @@ def third_order(terms: LoFASTTerms, beta: Tensor, delta_max: Tensor,
         out‴ = (D³s[U,U,U] + 6D²s[U,Q]) V + 3(D²s[U,U] + 2Ds[Q]) E.
 
     Row by row at the probabilities ``q = p(t)`` (within ``p e^{±s}``, ``s =
-    √2ρ_h``, so ``Var_q ≤ e^s Var_p``): ``‖D³s[u,u,u]‖₁ ≤ 5 M Var_q(u)`` (``M ≥
+    √2ρ_h``, so ``Var_q ≤ e^s Var_p``): ``‖D³s[u,u,u]‖₁ ≤ 2E|u′|³ +
+    3Var_q(u)^{3/2} ≤ (2M + 3 min(M, e^{s/2}σ_max)) e^s σ_r²`` (``σ_r`` and
+    its largest ``σ_max`` below; ``M ≥
     max_k|u′_k|``, ``≤ √2‖u_r‖ ≤ √2(‖a_r‖ + 2‖q_r‖)``, at most ``2√2ρ_h`` and
     ``√2(max_r‖a_r‖ + 2‖A_h‖δβ/√d)`` with the image's largest logit-row gain
     in ``max_r‖a_r‖``), ``‖D²s[a,b]‖₁ ≤ 2(Var a Var b)^½``,
@@ -134,9 +136,16 @@ def third_order(terms: LoFASTTerms, beta: Tensor, delta_max: Tensor,
                               + terms.m_norm * image.rest[:, None] / sqrt_d)
     M = math.sqrt(2) * torch.minimum(2 * k.rho,
                                      a_row + 2 * q_row * delta_max[:, None] / sqrt_d)
+    # ‖D³s[u,u,u]‖₁ ≤ (2M + 3 min(M, e^{s/2} σ_max)) e^s σ_r², σ_max ≥ max_r σ_r
+    lin_max = k.row.sqrt() * beta[:, None] / sqrt_d  # ≥ max_r Var_p(a_r)^½
+    if image is not None:
+        lin_max = torch.minimum(lin_max, image_times(image.var.row.sqrt(), image.eps)
+                                + k.row.sqrt() * image.rest[:, None] / sqrt_d)
+    sigma_max = lin_max + 2 * c * q_row * delta_max[:, None] / sqrt_d
+    third = 2 * M + torch.minimum(3 * M, 3 * k.e_s.sqrt() * sigma_max)
     e_max = terms.vo_norm * delta_max[:, None]  # (B, H)
     m_t = terms.xm_rows + e_max
-    curv = (5 * M * m_t + 6 * e_max) * std3**2 + 12 * m_t * c * std3 * q_f
+    curv = (third * m_t + 6 * e_max) * std3**2 + 12 * m_t * c * std3 * q_f
     per_head = k.e_s * curv + 6 * k.e_s.sqrt() * c * e_max * q_f
     return per_head.sum(-1) / 6
 
