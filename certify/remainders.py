@@ -603,6 +603,22 @@ def linear_std(k: SoftmaxConstants, beta: Tensor, head_dim: int,
     return std
 
 
+def row_gains(terms: LoFASTTerms, k: SoftmaxConstants, beta: Tensor,
+              image: ImagePart | None) -> tuple[Tensor, Tensor]:
+    """The largest row's gains ``(B, H)`` (docs/taylor.md §7, *by rows*):
+    ``≥ max_r Var_{p_r}(a_r)^½`` of the linear logit part, ``ν̂^½ β/√d`` or
+    through the image ``ν̂_x^½ ε + ν̂^½ rest/√d``; and ``g`` with ``‖Γ_tA_hΓᵀ‖
+    ≤ g ‖Γ_t‖``, ``‖A_h‖β`` or through the image's query and key maps."""
+    sqrt_d = math.sqrt(terms.head_dim)
+    lin = k.row.sqrt() * beta[:, None] / sqrt_d
+    quad = terms.qk_norm * beta[:, None]
+    if image is not None:
+        lin = torch.minimum(lin, image_times(image.var.row.sqrt(), image.eps)
+                            + k.row.sqrt() * image.rest[:, None] / sqrt_d)
+        quad = torch.minimum(quad, image.quad_row)
+    return lin, quad
+
+
 def _joint_row_gain(terms: LoFASTTerms, k: SoftmaxConstants) -> tuple[Tensor, Tensor]:
     """``(Σ_{h,r} Var, max_r Σ_h Var)`` gains of all heads at once ``(B,)``."""
     all_ = k.total.sum(-1) if terms.var_all is None else terms.var_all
@@ -647,9 +663,9 @@ def attention_remainder(
     std = linear_std(k, beta, terms.head_dim, image) + k.quad_b / sqrt_d
     spread = (k.total.sqrt() * b + k.quad_b) / sqrt_d  # ≥ (Σ_r Var_p(u_r))^½
     if image is not None:  # u = J_{S←x}Γ (exact gains) + M[R]/√d + quadratic
-        e, r = image.eps[:, None], image.rest[:, None]
-        spread = torch.minimum(spread, _fourth_root(image.var.whole ** 2, e)
-                               + (k.total.sqrt() * r + k.quad_b) / sqrt_d)
+        spread = torch.minimum(spread, image_times(image.var.whole.sqrt(), image.eps)
+                               + (k.total.sqrt() * image.rest[:, None] + k.quad_b)
+                               / sqrt_d)
     curv = k.mu * torch.minimum(k.c_loc * k.rho**2, k.e_s * std**2)  # (B, H)
     first = (k.quad * k.qq / sqrt_d).sum(-1)
     # ‖P′_h − P_h‖_F: c′ρ, or (c′ e^s Σ_r Var_p(u_r))^½ (‖Ds(q)u‖² ≤ ‖Ds(q)‖ Var_q(u))
@@ -673,6 +689,7 @@ def attention_remainder(
 def attention_row_remainders(
     terms: LoFASTTerms, beta: Tensor, beta_tok: Tensor,
     logit_radius: Tensor | None = None, image: ImagePart | None = None,
+    whole: Tensor | None = None,
 ) -> Tensor:
     """Bound on each output token's ``‖(a(X+Γ) − a(X) − J_a Γ)_t‖`` ``(B, N)``
     for ``‖Γ‖_F ≤ β`` with ``‖Γ_t‖ ≤ β_t`` (``beta_tok`` ``(B, N)``),
@@ -686,20 +703,16 @@ def attention_row_remainders(
     and ``‖r_s(u)‖₁ ≤ e^{√2ρ_h} Var_p(u)``; ``‖p′ − p‖ ≤ min(c′ρ_h,
     (c′e^{√2ρ_h} Var_p(u))^½, √2)`` and ``‖ΓM_h‖ ≤ β ‖M_h‖``. Also all heads'
     curvature at once (``max_h(e^{s_h} μ_h) Σ_h Var_{h,t}``). Never above
-    :func:`attention_remainder`'s whole bound (each row is part of it)."""
-    whole = attention_remainder(terms, beta, logit_radius, image)
+    :func:`attention_remainder`'s whole bound (each row is part of it;
+    ``whole``: that bound, if the caller has it)."""
+    if whole is None:
+        whole = attention_remainder(terms, beta, logit_radius, image)
     b, bt = beta[:, None, None], beta_tok[:, None]  # (B, 1, 1), (B, 1, N)
     sqrt_d = math.sqrt(terms.head_dim)
     k = softmax_constants(terms, beta, logit_radius, image)
     h = lambda t: t[..., None]  # noqa: E731  (B, H) → (B, H, 1) against tokens
-    q_t = h(terms.qk_norm) * bt * b / sqrt_d  # (B, H, N): ≥ ‖q‖
-    if image is not None:
-        q_t = torch.minimum(q_t, h(image.quad_row) * bt / sqrt_d)
-    lin = h(k.row).sqrt() * b / sqrt_d  # (B, H, 1): ≥ Var^½ of the linear part
-    if image is not None:
-        e, r = image.eps[:, None, None], image.rest[:, None, None]
-        lin = torch.minimum(lin, _fourth_root(h(image.var.row) ** 2, e)
-                            + h(k.row).sqrt() * r / sqrt_d)
+    lin, quad = (h(t) for t in row_gains(terms, k, beta, image))
+    q_t = quad * bt / sqrt_d  # (B, H, N): ≥ ‖q‖
     std = lin + h(k.c0).sqrt() * q_t  # (B, H, N) ≥ Var_p(u)^½
     still = std == 0  # no logit moves: no curvature, p′ = p (even where e^s = ∞)
     curv = torch.where(still, 0.0, h(k.mu) * torch.minimum(
@@ -715,7 +728,7 @@ def attention_row_remainders(
         lin_all = row_all.sqrt()[:, None] * beta[:, None] / sqrt_d  # (B, 1)
         if image is not None:
             lin_all = torch.minimum(
-                lin_all, _fourth_root(image.var.row_all**2, image.eps)[:, None]
+                lin_all, image_times(image.var.row_all[:, None].sqrt(), image.eps)
                 + row_all.sqrt()[:, None] * image.rest[:, None] / sqrt_d)
         quad_all = torch.linalg.vector_norm(h(k.c0).sqrt() * q_t, dim=1)  # (B, N)
         joint = (k.e_s * k.mu).amax(-1)[:, None] * (lin_all + quad_all) ** 2

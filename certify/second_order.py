@@ -28,6 +28,7 @@ from lipvit.certify.remainders import (
     attention_remainder,
     image_times,
     linear_std,
+    row_gains,
     softmax_constants,
 )
 from lipvit.certify.tangents import top_root
@@ -127,21 +128,16 @@ def third_order(terms: LoFASTTerms, beta: Tensor, delta_max: Tensor,
     q_f = k.qq / sqrt_d  # (B, H) ≥ ‖Q‖_F
     c = k.c0.sqrt()
     std3 = linear_std(k, beta, terms.head_dim, image) + 2 * c * q_f
+    lin_max, q_row = row_gains(terms, k, beta, image)  # (B, H) each
+    q_max = q_row * delta_max[:, None] / sqrt_d  # ≥ max_r ‖q_r‖
     # max_k |u′_k| ≤ √2 ‖u_r‖ ≤ √2 (‖a_r‖ + 2‖q_r‖) for every row, ≤ 2√2ρ_h
-    q_row = terms.qk_norm * beta[:, None]
     a_row = terms.m_norm * beta[:, None] / sqrt_d
     if image is not None:
-        q_row = torch.minimum(q_row, image.quad_row)
         a_row = torch.minimum(a_row, image_times(image.logit_row, image.eps)
                               + terms.m_norm * image.rest[:, None] / sqrt_d)
-    M = math.sqrt(2) * torch.minimum(2 * k.rho,
-                                     a_row + 2 * q_row * delta_max[:, None] / sqrt_d)
+    M = math.sqrt(2) * torch.minimum(2 * k.rho, a_row + 2 * q_max)
     # ‖D³s[u,u,u]‖₁ ≤ (2M + 3 min(M, e^{s/2} σ_max)) e^s σ_r², σ_max ≥ max_r σ_r
-    lin_max = k.row.sqrt() * beta[:, None] / sqrt_d  # ≥ max_r Var_p(a_r)^½
-    if image is not None:
-        lin_max = torch.minimum(lin_max, image_times(image.var.row.sqrt(), image.eps)
-                                + k.row.sqrt() * image.rest[:, None] / sqrt_d)
-    sigma_max = lin_max + 2 * c * q_row * delta_max[:, None] / sqrt_d
+    sigma_max = lin_max + 2 * c * q_max
     third = 2 * M + torch.minimum(3 * M, 3 * k.e_s.sqrt() * sigma_max)
     e_max = terms.vo_norm * delta_max[:, None]  # (B, H)
     m_t = terms.xm_rows + e_max
@@ -151,13 +147,14 @@ def third_order(terms: LoFASTTerms, beta: Tensor, delta_max: Tensor,
 
 
 def second_order_remainder(
-    terms: LoFASTTerms, beta: Tensor, image: ImagePart, hessian: Tensor,
+    terms: LoFASTTerms, beta: Tensor, image: ImagePart, hessian: Tensor, q: Tensor,
     first: Tensor, delta_max: Tensor, logit_radius: Tensor | None,
 ) -> Tensor:
     """The module docstring's bound ``(B,)``: ``hessian ε² + 2q·first·rest +
     q·rest² + R₃``, ``hessian`` ``(B,)`` from :func:`attention_hessian_norm`
-    (``+inf`` where not computed), ``first`` ``(B,)`` ``≥ ‖LΓ‖``."""
-    q = quadratic_coefficient(terms)
+    (``+inf`` where not computed), ``q`` ``(B,)`` from
+    :func:`quadratic_coefficient` (both clean-point constants), ``first``
+    ``(B,)`` ``≥ ‖LΓ‖``."""
     e, rest = image.eps, image.rest
     second = torch.where(hessian.isinf(), math.inf, hessian * e**2)
     cross = q * rest * (2 * first + rest)

@@ -367,12 +367,11 @@ def norms_of_sample(
     if how.exact:
         logits, queries, keys = (torch.stack([red.whole(kind, k) for k in range(K)])
                                  for kind in PER_HEAD)
-        logit_rows = torch.stack([  # (n, H, N, N) → (H, N, n, N): per head and row
-            gram_norm(torch.cat(red.kept[("logits", k)]).permute(1, 2, 0, 3)).amax(-1)
-            for k in range(K)])
+        T_S = [torch.cat(red.kept[("logits", k)]) for k in range(K)]  # (n, H, N, N)
+        logit_rows = torch.stack([  # (H, N, n, N): per head and row
+            gram_norm(T.permute(1, 2, 0, 3)).amax(-1) for T in T_S])
         variance = LogitVariance.stack([
-            logit_variance(torch.cat(red.kept[("logits", k)]), lin.blocks[k].P)
-            for k in range(K)])
+            logit_variance(T, b.P) for T, b in zip(T_S, lin.blocks, strict=True)])
         from lipvit.certify.second_order import attention_hessian_norm  # imports us
         hessian = inf[:, 0] if lin.lipschitz else torch.stack([  # standard only
             attention_hessian_norm(lin.blocks[k], torch.cat(red.kept[("attn_in", k)]))

@@ -84,7 +84,7 @@ from lipvit.certify.remainders import (
     layer_project_split,
     layernorm_curvature,
 )
-from lipvit.certify.second_order import second_order_remainder
+from lipvit.certify.second_order import quadratic_coefficient, second_order_remainder
 from lipvit.certify.sites import (
     SITES,
     JacobianNorms,
@@ -213,14 +213,13 @@ def _logit_radius(
     return first + (terms.m_norm * rest[:, None] + qq) / math.sqrt(terms.head_dim)
 
 
-def _image_part(block, jn: JacobianNorms, k: int, e: Tensor, rest: Tensor
-                ) -> ImagePart:
+def _image_part(w_q: Tensor, w_k: Tensor, jn: JacobianNorms, k: int, e: Tensor,
+                rest: Tensor) -> ImagePart:
     """Block ``k``'s attention input as ``J_{p←x}Γ + R`` (``‖R‖ ≤ rest``),
     docs/taylor.md §7: ``‖ΔW_q[h]‖_F ≤ ‖J_{Q_h←x}‖ε + ‖W_q[h]‖ rest`` and the
     same for the keys, so ``‖ΔA_hΔᵀ‖_F ≤ ‖ΔW_q‖_F ‖ΔW_k‖_F`` and row ``t``'s
-    ``‖Δ_tA_hΔᵀ‖ ≤ ‖W_q[h]‖ ‖Δ_t‖ ‖ΔW_k‖_F``."""
-    W_q, W_k = block.attn.head_weights()[:2]  # (H, D, d)
-    w_q, w_k = spectral_norm(W_q), spectral_norm(W_k)  # (H,)
+    ``‖Δ_tA_hΔᵀ‖ ≤ ‖W_q[h]‖ ‖Δ_t‖ ‖ΔW_k‖_F``; ``w_q``, ``w_k`` ``(H,)``: the
+    heads' ``‖W_q[h]‖``, ``‖W_k[h]‖``."""
     a_q = image_times(jn.queries[:, k], e) + w_q * rest[:, None]  # (B, H)
     a_k = image_times(jn.keys[:, k], e) + w_k * rest[:, None]
     quad, row = (torch.nan_to_num(t, nan=math.inf) for t in (a_q * a_k, w_q * a_k))
@@ -476,6 +475,8 @@ def _standard_block(
     L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
     L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
     gains = _attention_gains(terms, L1_0, exact, k, subblock_bound(block, X, terms))
+    w_q, w_k = (spectral_norm(W) for W in block.attn.head_weights()[:2])  # (H,)
+    q2 = quadratic_coefficient(terms)  # ‖½D²a[x,x]‖ ≤ q2 ‖x‖², second order
     W1 = block.mlp.fc1.weight  # (m, D)
     w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
     W2_norm = spectral_norm(block.mlp.fc2.weight)
@@ -505,20 +506,20 @@ def _standard_block(
             into = torch.minimum(into, exact.into[k - 1].amax(-1) * a + L1_0 * R_prev)
         rest = into + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
-        image = _image_part(block, jn, k, e, rest)
+        image = _image_part(w_q, w_k, jn, k, e, rest)
         logit_radius = _logit_radius(terms, jn, k, e, rest, b_p, image.quad)
         # token t of LN₁'s output moves by at most its local constant × b_t
         L1_t = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.token.amax(-1),
                                          per_token=True)  # (B, N)
         b_tok = torch.minimum(b_p[:, None],
                               torch.where(b.token == 0, 0.0, b.token * L1_t))
+        r_first = attention_remainder(terms, b_p, logit_radius, image)
         r_a = torch.minimum(  # to first order, or to second through the image
-            attention_remainder(terms, b_p, logit_radius, image),
-            second_order_remainder(terms, b_p, image, jn.attn_hessian[:, k],
-                                   jn.attn_in[:, k] * e, b_tok.amax(-1), logit_radius))
-        r_a_tok = torch.minimum(
-            attention_row_remainders(terms, b_p, b_tok, logit_radius, image),
-            r_a[:, None])
+            r_first, second_order_remainder(
+                terms, b_p, image, jn.attn_hessian[:, k], q2, jn.attn_in[:, k] * e,
+                b_tok.amax(-1), logit_radius))
+        r_a_tok = torch.minimum(attention_row_remainders(
+            terms, b_p, b_tok, logit_radius, image, whole=r_first), r_a[:, None])
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
                                r1_norm, b_p, r_a_tok)
         r2 = _layernorm_remainder(ln2, X_mid, mid.token)

@@ -43,6 +43,7 @@ from lipvit.certify.remainders import (
 )
 from lipvit.certify.second_order import (
     attention_hessian_norm,
+    quadratic_coefficient,
     second_order_remainder,
     third_order,
 )
@@ -521,6 +522,7 @@ def test_attention_remainder_through_the_image_brute_force(seed, N, H, qk_scale)
         rows = attention_row_remainders(gains, beta, beta.expand(1, N), None, image)[0]
         assert bound <= attention_remainder(gains, beta)[0] * (1 + 1e-12)
         second = second_order_remainder(gains, beta, image, sigma[None],
+                                        quadratic_coefficient(gains),
                                         one(float(L_norm) * eps), beta, None)[0]
         for t in (None, *range(N)):  # the whole remainder, then each token's
             found = _image_pgd(r, X[0], L, eps, rest, t, g)
