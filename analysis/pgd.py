@@ -173,3 +173,30 @@ def pgd_margin_drop(
                 shrink = (eps / _flat_norm(d).clamp_min(1e-30)).clamp(max=1)
                 d = d * _per_sample(shrink, d)
     return best.reshape(B, K).detach()
+
+
+def pgd_taylor_rest(fn: Callable[[Tensor], Tensor], z: Tensor, g: Tensor, H: Tensor,
+                    eps: float, steps: int = 100, restarts: int = 4,
+                    seed: int = 0) -> float:
+    """Largest ``|fn(z + δ) − fn(z) − gᵀδ − ½δᵀHδ|`` found on ``‖δ‖₂ ≤ ε``: the
+    rest of a scalar map beyond its second-order Taylor polynomial (``g``,
+    ``H`` its gradient and Hessian at ``z`` ``(n,)``), by normalised-gradient
+    ascent and descent from ``restarts`` random points of the sphere, the step
+    decaying linearly from ``0.3 ε``. A **lower bound** of the largest rest."""
+    f0 = fn(z).detach()
+    gen = torch.Generator().manual_seed(seed)
+    best = 0.0
+    for _ in range(restarts):
+        start = torch.randn(z.numel(), generator=gen, dtype=z.dtype)
+        for sign in (1.0, -1.0):
+            d = eps * start / start.norm()
+            for i in range(steps):
+                d.requires_grad_(True)
+                rest = fn(z + d) - f0 - g @ d - 0.5 * d @ H @ d
+                (grad,) = torch.autograd.grad(sign * rest, d)
+                best = max(best, abs(rest.item()))
+                with torch.no_grad():
+                    size = 0.3 * eps * (1 - i / steps)
+                    d = d + size * grad / grad.norm().clamp_min(1e-300)
+                    d = d * (eps / d.norm()).clamp(max=1.0)
+    return best

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from lipvit.certify import jet_vit
 from lipvit.certify.linearized import CACHE_BYTES, Linearized
 from torch import Tensor
 
@@ -152,12 +153,16 @@ def taylor_batch(model: ViT, max_memory: int | None) -> int:
     """Samples per :func:`lipvit.certify.taylor.taylor_bound` call within
     ``max_memory`` bytes: each sample keeps one autograd graph of the forward
     pass per class (the margins' gradients, back-substituted at every ε) and
-    its symbols' accumulators, beside :func:`min_memory` for its tangents."""
+    its symbols' accumulators, and its second-order Taylor model
+    (:func:`lipvit.certify.jet_vit.jet_bytes`) where one is built, beside
+    :func:`min_memory` for its tangents."""
     cfg = model.config
     N, D, H, m, K, _ = _sizes(model)
     graph = 8 * K * N * (8 * D + 4 * m + 3 * H * N)  # one forward pass, kept
     carried = 8 * (2 * (2 * K + 1) * N * D + 2 * K * N * D + 2 * K * N * m)
     per_sample = cfg.num_classes * graph + carried
+    if jet_vit.supports(model):
+        per_sample += jet_vit.jet_bytes(model)
     budget = default_max_memory() if max_memory is None else max_memory
     return max(1, (budget - min_memory(model)) // per_sample)
 

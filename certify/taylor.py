@@ -60,6 +60,7 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
+from lipvit.certify import jet_vit
 from lipvit.certify.certification import certified_radius, falsi_radius, float64_model
 from lipvit.certify.eps import eps_per_sample
 from lipvit.certify.linearized import Linearized
@@ -714,6 +715,9 @@ def taylor_bound(
         terms = [with_softmax_gains(block, clean.attn_in[k], t) for k, (block, t)
                  in enumerate(zip(model.blocks, chain.attention_terms, strict=True))]
         blocks = [make(model, k, clean, t, jn, exact) for k, t in enumerate(terms)]
+        # The margins' second-order Taylor models (§12), where they apply.
+        jet = [jet_vit.JetMargins(model, xb, int(yb))
+               for xb, yb in zip(x, y, strict=True)] if jet_vit.supports(model) else []
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
         # Blocks whose Frobenius norm1 projects some sample (§3, direction-aware).
         frobenius = [k for k, block in enumerate(model.blocks)
@@ -758,6 +762,9 @@ def taylor_bound(
     def remainders(e: Tensor) -> dict[str, Tensor]:
         steps, _, cls = run(e)
         out = {"box": sum(box(steps, cls).values())}
+        if jet:
+            drops = torch.stack([m.drop(eb) for m, eb in zip(jet, e, strict=True)])
+            out["jet"] = drops - grad_norm * e[:, None]  # (B, K)
         if steps[0].chord is not None:
             out["chord"] = (
                 _chord_bound(e, steps, Weights(g_x, g_sites), grads, deep=True)

@@ -203,7 +203,8 @@ def certify(
 
     `lofast` is sound (exact ζ and ‖M_h(X)‖); `lofast-fast` uses power-iteration
     estimates and is labelled exact=false; `taylor` bounds every wrong-class
-    margin to first order exactly plus certified remainders (docs/taylor.md);
+    margin to first order exactly plus certified remainders (on standard ViTs
+    with small images, to second order exactly: docs/taylor.md §12);
     `crown` needs auto_LiRPA; `alpha-crown` is CROWN with auto_LiRPA's
     optimised ReLU slopes (never looser, a little slower); `cascade` runs CROWN only
     where LoFAST did not certify, `cascade-taylor` only where taylor did not.
