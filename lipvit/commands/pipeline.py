@@ -53,8 +53,10 @@ MODELS = ("vanilla", "msvp", "lipschitz")
 
 @dataclass(frozen=True)
 class Settings:
-    """Sizes of one pipeline run (defaults: a 2-core CPU in well under 15 minutes
-    on digits; on ``fashion-mnist`` training takes up to 30 minutes per model).
+    """Sizes of one pipeline run (defaults: a 2-core CPU in about 15 minutes on
+    digits, half of it certifying the standard model with ``taylor``'s
+    second-order models; on ``fashion-mnist`` training takes up to 30 minutes
+    per model).
 
     ``fast`` shrinks everything to a smoke test (about a minute on digits).
     """
