@@ -49,15 +49,15 @@ def supports(model: ViT) -> bool:
 
 def jet_bytes(model: ViT) -> int:
     """An estimate, from above, of the bytes one :class:`JetMargins` holds: the
-    ``|J|`` of its back-substitution (about ``8·N·D`` target elements per block,
-    each against half the non-linear elements, on average, upstream) and the
-    building's largest coefficient tensors."""
+    ``|J|`` of its back-substitution (about ``8·N·D + N·m`` target elements per
+    block, each against half the non-linear elements, on average, upstream)
+    and the building's largest coefficient tensors."""
     cfg = model.config
     n, ND, widest = _sizes(model)
-    N, H = cfg.num_patches + 1, cfg.num_heads
-    own = len(model.blocks) * (3 * H * N * N + 2 * H * N + 4 * N + 2 * ND
-                               + N * cfg.mlp_hidden)
-    return 8 * (len(model.blocks) * 8 * ND * own // 2 + 4 * widest * n * n)
+    N, H, m = cfg.num_patches + 1, cfg.num_heads, cfg.mlp_hidden
+    own = len(model.blocks) * (3 * H * N * N + 2 * H * N + 4 * N + 2 * ND + N * m)
+    targets = len(model.blocks) * (8 * ND + N * m)
+    return 8 * (targets * own // 2 + 4 * widest * n * n)
 
 
 def embedding_jet(model: ViT, x: Tensor) -> Jet:
@@ -130,14 +130,15 @@ class JetMargins:
 
     The rests are back-substituted (:class:`~lipvit.certify.jets.BackSubstitution`)
     at the margins and at every input of a non-linear operation with at most
-    ``back_max`` elements (default ``N·D``, a token matrix: the attention
-    matrices and MLP hidden units keep their forward bounds).
+    ``back_max`` elements (default ``N·max(D, m)``: the token matrices and the
+    MLP's hidden units; the ``H·N²`` attention matrices, where larger, keep
+    their forward bounds).
     """
 
     def __init__(self, model: ViT, x: Tensor, y: int, back_max: float | None = None):
         cfg = model.config
         if back_max is None:
-            back_max = (cfg.num_patches + 1) * cfg.embed_dim
+            back_max = (cfg.num_patches + 1) * max(cfg.embed_dim, cfg.mlp_hidden)
         with torch.enable_grad():
             logits = logit_jet(model, x)
             K = logits.shape[0]
