@@ -715,9 +715,9 @@ def taylor_bound(
         terms = [with_softmax_gains(block, clean.attn_in[k], t) for k, (block, t)
                  in enumerate(zip(model.blocks, chain.attention_terms, strict=True))]
         blocks = [make(model, k, clean, t, jn, exact) for k, t in enumerate(terms)]
-        # The margins' second-order Taylor models (§12), where they apply.
-        jet = [jet_vit.JetMargins(model, xb, int(yb))
-               for xb, yb in zip(x, y, strict=True)] if jet_vit.supports(model) else []
+        # The margins' second-order Taylor models (§12), where they apply:
+        # built at the first remainder query (walks and functionals need none).
+        jet: list = []
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
         # Blocks whose Frobenius norm1 projects some sample (§3, direction-aware).
         frobenius = [k for k, block in enumerate(model.blocks)
@@ -762,7 +762,10 @@ def taylor_bound(
     def remainders(e: Tensor) -> dict[str, Tensor]:
         steps, _, cls = run(e)
         out = {"box": sum(box(steps, cls).values())}
-        if jet:
+        if jet_vit.supports(model):
+            if not jet:
+                jet.extend(jet_vit.JetMargins(model, xb, int(yb))
+                           for xb, yb in zip(x, y, strict=True))
             drops = torch.stack([m.drop(eb) for m, eb in zip(jet, e, strict=True)])
             out["jet"] = drops - grad_norm * e[:, None]  # (B, K)
         if steps[0].chord is not None:

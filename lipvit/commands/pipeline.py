@@ -53,7 +53,7 @@ MODELS = ("vanilla", "msvp", "lipschitz")
 
 @dataclass(frozen=True)
 class Settings:
-    """Sizes of one pipeline run (defaults: a 2-core CPU in about 15 minutes on
+    """Sizes of one pipeline run (defaults: a 2-core CPU in about 16 minutes on
     digits, half of it certifying the standard model with ``taylor``'s
     second-order models; on ``fashion-mnist`` training takes up to 30 minutes
     per model).
