@@ -717,7 +717,7 @@ def taylor_bound(
         blocks = [make(model, k, clean, t, jn, exact) for k, t in enumerate(terms)]
         # The margins' second-order Taylor models (§12), where they apply:
         # built at the first remainder query (walks and functionals need none).
-        jet: list = []
+        with_jets, jet = jet_vit.supports(model), []
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
         # Blocks whose Frobenius norm1 projects some sample (§3, direction-aware).
         frobenius = [k for k, block in enumerate(model.blocks)
@@ -762,7 +762,7 @@ def taylor_bound(
     def remainders(e: Tensor) -> dict[str, Tensor]:
         steps, _, cls = run(e)
         out = {"box": sum(box(steps, cls).values())}
-        if jet_vit.supports(model):
+        if with_jets:
             if not jet:
                 jet.extend(jet_vit.JetMargins(model, xb, int(yb))
                            for xb, yb in zip(x, y, strict=True))

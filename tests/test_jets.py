@@ -19,6 +19,7 @@ from lipvit.model import ViT
 from tests.conftest import nonlinear_model, tiny_config
 
 F64 = torch.float64
+Tensor = torch.Tensor
 SEEDS = [0, 1, 2]
 SMOOTH = {
     "exp": (jets.EXP, torch.exp, (-3.0, 2.0)),
@@ -35,8 +36,6 @@ def _derivatives(f, x: Tensor) -> tuple:
     d3 = torch.func.vmap(torch.func.grad(torch.func.grad(torch.func.grad(f))))(x)
     return d1, d2, d3
 
-
-Tensor = torch.Tensor
 
 
 @pytest.mark.parametrize("name", sorted(SMOOTH))
