@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU checks of issue 20 in one call, for a lent CUDA machine whose python3
+# The GPU checks of issue 20 in one call (a profile of where the time goes too), for a lent CUDA machine whose python3
 # has torch but not lipvit (nothing is fetched: lipvit installs from this tree,
 # without dependencies; torchattacks and auto_LiRPA, pure Python, come from
 # SITE if given). Each step has its own time limit so that one slow step does
@@ -17,9 +17,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
     > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
 python3 -c "import torch, lipvit.certify.taylor; print(torch.__version__, torch.cuda.get_device_name())"
 timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -rs \
-    tests/test_lofast.py tests/test_structured.py tests/test_tangents.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    tests/test_lofast.py tests/test_structured.py tests/test_tangents.py tests/test_jets.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
 timeout 150 python3 bench/taylor_scale.py --device cuda --no-flops \
     --presets cifar-lofast-3x128 --batch 1 8 2>&1 | tee "$OUT/taylor_scale_cuda.md"
+timeout 60 python3 bench/taylor_scale.py --device cuda --profile fmnist-3x64 lipschitz \
+    > "$OUT/profile.txt" 2>&1; grep "^# profile" "$OUT/profile.txt"
 if [ $# -ge 2 ]; then
     timeout 200 python3 -m lipvit certify --ckpt "$1" --data-dir "$2" --device cuda \
         --method taylor --eps 0.05,0.1,0.25,0.5 --samples 100 --batch-size 100 --radius \

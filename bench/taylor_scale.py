@@ -19,6 +19,9 @@ batch sizes. ``--ckpt`` adds a trained model: median ``taylor`` / ``lofast``
 certified radius over ``--n`` test points. ``--tightness``: the patch-block
 bounds of the whole image-Jacobian norms (docs/taylor.md §11) over the exact
 norms, for the presets whose exact norms are affordable and ``--ckpt``.
+``--profile PRESET FAMILY``: where one ``taylor`` certificate's time goes
+(``torch.profiler``, after a warm-up run): the operators by self time and the
+count of host synchronisations (values read back to the host).
 
 Usage::
 
@@ -27,6 +30,7 @@ Usage::
     python bench/taylor_scale.py --threads 1 --ckpt fmnist_lip.pt --n 20
     python bench/taylor_scale.py --tightness --presets digits-small fmnist-3x64
     python bench/taylor_scale.py --device cuda
+    python bench/taylor_scale.py --device cuda --profile cifar-lofast-3x128 lipschitz
 """
 
 from __future__ import annotations
@@ -103,6 +107,37 @@ def one(name: str, family: str, method: str, batch: int, device: str,
     return out
 
 
+SYNCS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
+         "cudaDeviceSynchronize", "cudaMemcpyAsync")
+
+
+def profile(name: str, family: str, device: str, rows: int = 20) -> None:
+    """Print where one ``taylor`` certificate (batch 1) spends its time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    cfg = preset(name, family=family, num_classes=10)
+    model = ViT(cfg).double().eval().to(dev)
+    x = torch.rand(1, cfg.in_chans, cfg.image_size, cfg.image_size,
+                   dtype=torch.float64, device=dev)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    taylor_bound(model, x, y).margin_drop(0.01)  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if dev.type == "cuda" else [])
+    t0 = _clock(dev)
+    with torch_profile(activities=activities) as prof:
+        taylor_bound(model, x, y).margin_drop(0.01)
+    seconds = _clock(dev) - t0
+    events = prof.key_averages()
+    counts = {e.key: e.count for e in events if e.key in SYNCS}
+    print(f"# profile: {name} {family}, {device}, {seconds:.2f} s under the profiler; "
+          f"host synchronisations: {counts}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
 def tightness(model, x, label: str) -> str:
     """The patch-block bounds of the whole-matrix image Jacobian norms over the
     exact ones (``n × n`` Gram matrices), ranges over samples and states."""
@@ -153,8 +188,13 @@ def main() -> None:
                              "(random weights) and --ckpt")
     parser.add_argument("--one", nargs=4, metavar=("PRESET", "FAMILY", "METHOD",
                                                    "BATCH"), help=argparse.SUPPRESS)
+    parser.add_argument("--profile", nargs=2, metavar=("PRESET", "FAMILY"),
+                        help="profile one taylor certificate instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.profile:
+        profile(*args.profile, args.device)
+        return
     if args.one:
         name, family, method, batch = args.one
         print(json.dumps(one(name, family, method, int(batch), args.device,

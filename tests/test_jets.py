@@ -269,6 +269,22 @@ def test_taylor_with_jets_certifies_no_less_and_survives_pgd(seed, monkeypatch):
             assert (drop[0] < margins.detach() + 1e-12)[torch.arange(10) != y[b]].all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_jets_on_cuda_match_cpu():
+    """The second-order models on the GPU: the same polynomial and bounds."""
+    model = nonlinear_model("standard", 0)
+    x = torch.rand(1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
+    cpu = jet_vit.JetMargins(model, x, 3)
+    gpu = jet_vit.JetMargins(model.cuda(), x.cuda(), 3)
+    e = torch.tensor(0.05, dtype=F64)
+    for a, b in ((cpu.gradient, gpu.gradient), (cpu.hessian, gpu.hessian),
+                 (cpu.remainder(e), gpu.remainder(e.cuda())),
+                 (cpu.drop(e), gpu.drop(e.cuda()))):
+        assert b.device.type == "cuda"
+        assert torch.allclose(b.cpu(), a, rtol=1e-6, atol=1e-10)
+
+
 def test_supports_and_memory_estimate():
     assert not jet_vit.supports(ViT(tiny_config("lipschitz")))
     assert not jet_vit.supports(ViT(tiny_config("standard", attention="l2")))
