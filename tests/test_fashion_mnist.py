@@ -184,11 +184,15 @@ def test_schedules_per_dataset() -> None:
         assert digits.epochs == FAMILY_DEFAULTS[family]["epochs"]
         fmnist = train_config_for(family, "fashion-mnist")
         assert fmnist.batch_size == 128
-        # The lipschitz model: 20 plain epochs; the standard one: 30 epochs
-        # with flips and label smoothing (docs/fashion-mnist.md).
+        # The lipschitz model: 20 unaugmented epochs trained for the taylor
+        # certificate (ReLU stability 0.2); the standard one: 30 epochs with
+        # flips and label smoothing (docs/fashion-mnist.md).
         assert (fmnist.epochs, fmnist.augment) == (
             (30, True) if family == "standard" else (20, False))
         assert fmnist.label_smoothing == (0.1 if family == "standard" else 0.0)
+        assert fmnist.relu_stability == (0.0 if family == "standard" else 0.2)
+        assert train_config_for(family, "fashion-mnist",
+                                relu_stability=0.0).relu_stability == 0.0  # off
         assert fmnist.loss_scale == FAMILY_DEFAULTS[family]["loss_scale"]
         assert train_config_for(family, "fashion-mnist", epochs=3).epochs == 3
 

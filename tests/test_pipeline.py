@@ -101,17 +101,16 @@ def test_second_run_skips_everything(run_dir):
 def test_missing_or_stale_outputs_rerun_only_their_steps(run_dir):
     out, _ = run_dir
     (out / "tightness" / "network" / "tightness.csv").unlink()
-    ckpt = out / "models" / "msvp.pt"
+    ckpt = out / "models" / "vanilla.pt"  # its dependants are the cheap ones
     now = time.time_ns()
-    os.utime(ckpt, ns=(now, now))  # as if msvp were retrained just now
+    os.utime(ckpt, ns=(now, now))  # as if vanilla were retrained just now
     r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast"])
     assert r.exit_code == 0, r.output
     assert (out / "tightness" / "network" / "tightness.csv").is_file()
     plan = build_plan(out, Settings.fast_mode())
     rerun = {
-        "attack/msvp",
-        "certify/msvp",
-        "plot/msvp",
+        "attack/vanilla",
+        "tightness/layer-vanilla",
         "spectrum",
         "tightness/network",
     }
@@ -131,7 +130,7 @@ def test_jobs_rerun_in_parallel_processes_after_their_inputs(run_dir):
     ``python -m lipvit`` process logging to OUT/logs/, none before the steps
     that write its inputs are done; the outputs are complete afterwards."""
     out, _ = run_dir
-    ckpt = out / "models" / "msvp.pt"
+    ckpt = out / "models" / "vanilla.pt"
     now = time.time_ns()
     os.utime(ckpt, ns=(now, now))
     r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast",
@@ -146,7 +145,7 @@ def test_jobs_rerun_in_parallel_processes_after_their_inputs(run_dir):
         if m:
             events.append((m.group(2), by_title[m.group(1)].key))
     started = [k for kind, k in events if kind == "started"]
-    assert set(started) == {"attack/msvp", "certify/msvp", "plot/msvp", "spectrum"}
+    assert set(started) == {"attack/vanilla", "tightness/layer-vanilla", "spectrum"}
     for kind, key in events:
         if kind == "started":
             done_before = {k for e, k in events[:events.index((kind, key))]

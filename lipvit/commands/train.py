@@ -203,7 +203,8 @@ def _defaults_help(name: str, default: Any = None) -> str:
     type=float,
     default=None,
     help="Weight of the ReLU-stability penalty on the SLL units (lipschitz "
-    "family): trains for the taylor certificate [default: 0, off].",
+    "family): trains for the taylor certificate; 0 is off "
+    f"[default: {_defaults_help('relu_stability', 0)}].",
 )
 @click.option(
     "--stability-radius",
