@@ -68,10 +68,9 @@ def _peak(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def one(name: str, family: str, method: str, batch: int, device: str,
-        flops: bool) -> dict:
-    """Measure one (preset, family, method, batch) in this process."""
-    dev = torch.device(device)
+def _problem(name: str, family: str, batch: int, dev: torch.device):
+    """``(cfg, model, x, y)``: a seeded random-weight model of the preset in
+    float64 and ``batch`` random images labelled with its predictions."""
     torch.manual_seed(0)
     cfg = preset(name, family=family, num_classes=10)
     model = ViT(cfg).double().eval().to(dev)
@@ -79,6 +78,14 @@ def one(name: str, family: str, method: str, batch: int, device: str,
                    dtype=torch.float64, device=dev)
     with torch.no_grad():
         y = model(x).argmax(1)
+    return cfg, model, x, y
+
+
+def one(name: str, family: str, method: str, batch: int, device: str,
+        flops: bool) -> dict:
+    """Measure one (preset, family, method, batch) in this process."""
+    dev = torch.device(device)
+    cfg, model, x, y = _problem(name, family, batch, dev)
 
     def run() -> None:
         if method == "lofast":
@@ -117,13 +124,7 @@ def profile(name: str, family: str, device: str, rows: int = 20) -> None:
     from torch.profiler import profile as torch_profile
 
     dev = torch.device(device)
-    torch.manual_seed(0)
-    cfg = preset(name, family=family, num_classes=10)
-    model = ViT(cfg).double().eval().to(dev)
-    x = torch.rand(1, cfg.in_chans, cfg.image_size, cfg.image_size,
-                   dtype=torch.float64, device=dev)
-    with torch.no_grad():
-        y = model(x).argmax(1)
+    _, model, x, y = _problem(name, family, 1, dev)
     taylor_bound(model, x, y).margin_drop(0.01)  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if dev.type == "cuda" else [])

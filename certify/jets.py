@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from lipvit.certify.relaxations import gelu_grad
 from torch import Tensor
 
 Bounds = tuple[Tensor, Tensor | None]
@@ -356,7 +357,7 @@ def _gelu_m3(c: Tensor, h: Tensor) -> Tensor:
 
 GELU = Smooth(
     lambda x: torch.nn.functional.gelu(x),
-    lambda x: 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * _pdf(x),
+    gelu_grad,
     lambda x: _pdf(x) * (2 - x**2),
     _gelu_m3,
 )
