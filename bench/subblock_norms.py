@@ -11,17 +11,24 @@ uses for large models), and the exact norm that
 standard model also the next block's LayerNorm composed with the feed-forward
 sub-block, exact (``SubBlockNorms.into``) against the product of the norms.
 
+With ``--radii``, also ``taylor``'s radius of each correctly classified point
+as the certificate computes it and with the exact norms at every size (the
+dense mode's size limit :data:`lipvit.certify.sites.EXACT_MAX` lifted): what
+the structured bounds cost in radius, and the time of each.
+
 Usage::
 
-    python bench/subblock_norms.py --ckpt msvp.pt --n 20
+    python bench/subblock_norms.py --ckpt msvp.pt --n 20 [--radii]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from _points import float64_points
+from lipvit.certify import sites
 from lipvit.certify.local import (
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
@@ -30,6 +37,7 @@ from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward, subblock_norms
 from lipvit.certify.subblock import subblock_bound, with_softmax_gains
+from lipvit.certify.taylor import taylor_bound
 
 
 def _range(t: torch.Tensor) -> str:
@@ -40,8 +48,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--radii", action="store_true")
     args = parser.parse_args()
-    model, x, _, _ = float64_points(args.ckpt, args.n)
+    model, x, y, _ = float64_points(args.ckpt, args.n)
+    if args.radii:
+        radii(model, x, y)
     with torch.no_grad():
         clean = forward(model, x)[1]
         exact = subblock_norms(model, clean, max_size=x[0].numel() * 10**6)
@@ -72,6 +83,22 @@ def main() -> None:
                                             nxt.norm1.eps, zero)
             print(f"| {k} | {_range(exact.into[k].amax(-1))} "
                   f"| {_range(L_N * exact.mlp[:, k].amax(-1))} |")
+
+
+def radii(model, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``taylor``'s radii with the certificate's sub-block norms and with exact
+    ones at every size (one thread)."""
+    torch.set_num_threads(1)
+    right = model(x).argmax(1) == y
+    x, y = x[right], y[right]
+    limit = sites.EXACT_MAX
+    for name, size in (("as certified", limit), ("exact sub-blocks", 10**9)):
+        sites.EXACT_MAX = size
+        start = time.process_time()
+        r = taylor_bound(model, x, y).radius()
+        print(f"{name}: radii {' '.join(f'{v:.3g}' for v in r.tolist())} "
+              f"(median {r.median():.3g}), {time.process_time() - start:.0f} s CPU")
+    sites.EXACT_MAX = limit
 
 
 if __name__ == "__main__":

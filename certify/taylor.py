@@ -304,12 +304,17 @@ def _attn_share(g: Tensor, r_a: Tensor) -> Tensor:
 class Chord(NamedTuple):
     """A lipschitz block's ReLU units at one ε: clean pre-activations ``z``,
     bounds ``up``, ``down`` on their moves up and down and ``ρ``, each
-    ``(B, N, m)`` (docs/taylor.md §5)."""
+    ``(B, N, m)`` (docs/taylor.md §5); ``rest_up``, ``rest_down``: the parts of
+    ``up``, ``down`` beyond the first-order reach ``‖∇_x z_i‖ε`` before the
+    Lipschitz cap (the earlier symbols' ``Σ G^±ρ`` and the propagated
+    remainders), so that ``Δz_i − ∇_x z_iᵀΓ ∈ [−rest_down_i, rest_up_i]``."""
 
     z: Tensor
     up: Tensor
     down: Tensor
     rho: Tensor
+    rest_up: Tensor
+    rest_down: Tensor
 
 
 class BlockStep(NamedTuple):
@@ -400,10 +405,11 @@ def _lipschitz_block(
         L2 = layer_project_local_lipschitz(
             X_mid, P2.radius, mid.token.amax(-1), "token", per_token=True
         )
-        first = jn.act_in[k] * e[:, None, None] + prop[..., None] * w_norm  # (B, N, m)
+        rest = prop[..., None] * w_norm  # (B, N, m)
+        first = jn.act_in[k] * e[:, None, None]
         cap = (L2 * mid.token)[..., None] * w_norm
-        up = torch.minimum(first + sym.up[k], cap)
-        down = torch.minimum(first + sym.down[k], cap)
+        up = torch.minimum(first + rest + sym.up[k], cap)
+        down = torch.minimum(first + rest + sym.down[k], cap)
         rho = flip_range(z, torch.where(z > 0, down, up))  # r_i ∈ [0, ρ_i] (§5)
         tail = propagate(model, lins, k, rho, sym, max_symbols)
         # P₂'s remainder passes the linearised SLL (norm ≤ 1); the ReLU's are
@@ -432,7 +438,8 @@ def _lipschitz_block(
                 "act": (g["act"].clamp_min(0) * rho[:, None]).sum((-2, -1)),
             }
 
-        return BlockStep(mid, out, shares, Chord(z, up, down, rho))
+        return BlockStep(mid, out, shares,
+                         Chord(z, up, down, rho, rest + sym.up[k], rest + sym.down[k]))
 
     return step
 
@@ -868,7 +875,8 @@ def _chord_bound(
     g_x = w.x
     total = 0.0
     for k in reversed(range(len(steps))):
-        z, up, down, rho = steps[k].chord
+        chord = steps[k].chord
+        z, up, down, rho = chord.z, chord.up, chord.down, chord.rho
         width = (up + down).clamp_min(1e-300)
         slope = torch.where(z > 0, -rho, rho) / width  # (B, N, m): a_i
         const = rho * torch.where(z > 0, up, down) / width  # b_i
