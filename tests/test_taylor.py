@@ -728,6 +728,65 @@ def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed, monkeypa
             assert torch.all(tb.grad_norm * eps <= drop * (1 + 1e-9) + 1e-300)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_chord_intervals_hold_for_sampled_perturbations(seed, monkeypatch):
+    """Every ReLU unit's move under perturbations of the ε-ball lies in its
+    chord's ``[−down, up]``, and the part beyond its first-order move
+    ``∇_x z_iᵀΓ`` in ``[−rest_down, rest_up]`` (docs/taylor.md §5): random
+    points of the sphere and of the ball, and each unit's own steepest
+    directions ``±ε ∇_x z_i/‖∇_x z_i‖`` (which reach its first-order bound),
+    float64."""
+    import lipvit.certify.taylor as T
+
+    seen: list = []
+    chord_bound = T._chord_bound
+
+    def hook(e, steps, w, grads, deep):
+        if deep:
+            seen[:] = steps
+        return chord_bound(e, steps, w, grads, deep)
+
+    monkeypatch.setattr(T, "_chord_bound", hook)
+    model = _model("lipschitz", seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=gen)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    tb = taylor_bound(model, x, y)
+
+    def pre(v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(forward(model, v)[1].act_in)
+
+    n = 100
+    flips = 0
+    for eps in (1e-2, 0.1, 0.3):
+        tb.margin_drop(eps)
+        R = torch.randn(2 * n, 1, 8, 8, dtype=F64, generator=gen)
+        R = R / R.flatten(1).norm(dim=1)[:, None, None, None] * eps  # the sphere
+        R[n:] *= torch.rand(n, 1, 1, 1, dtype=F64, generator=gen)  # inside
+        for b in range(2):
+            J = torch.func.jacrev(lambda v: torch.cat([t.flatten() for t in pre(v)]))(
+                x[b:b + 1]).reshape(-1, 1, 8, 8)  # (units, 1, 8, 8): ∇_x z_i
+            G = torch.cat([R, J, -J]).detach()
+            G[2 * n:] *= eps / G[2 * n:].flatten(1).norm(dim=1).clamp_min(1e-300)[
+                :, None, None, None]
+            X = x[b:b + 1].repeat(len(G), 1, 1, 1)
+            with torch.no_grad():
+                z0 = pre(x[b:b + 1])
+                z1 = pre(X + G)
+                _, first = torch.func.jvp(pre, (X,), (G,))
+            for k, chord in enumerate(c.chord for c in seen):
+                dz = z1[k] - z0[k]  # (perturbations, N, m)
+                rest = dz - first[k]
+                tol = 1e-12 * (1 + dz.abs().amax())
+                assert torch.all(dz <= chord.up[b] + tol), (eps, k)
+                assert torch.all(-dz <= chord.down[b] + tol), (eps, k)
+                assert torch.all(rest <= chord.rest_up[b] + tol), (eps, k)
+                assert torch.all(-rest <= chord.rest_down[b] + tol), (eps, k)
+                flips += int(((z0[k] > 0) != (z1[k] > 0)).sum())
+    assert flips > 0  # some units do change sign: the intervals are exercised
+
+
 def test_first_order_term_is_exact():
     model = _model("standard", 0)
     x = torch.rand(2, 1, 8, 8, dtype=F64)
