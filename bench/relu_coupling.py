@@ -53,6 +53,7 @@ H_SCALES = (0.0, 0.25, 0.5, 1.0)
 """``h_i = max(a_i, κ·reach_i)`` for these ``κ`` (``κ = 0``: ``h = a``)."""
 
 
+@torch.no_grad()
 def quadratic_charge(J: torch.Tensor, g: torch.Tensor, z: torch.Tensor,
                      reach: torch.Tensor, rest_up: torch.Tensor,
                      rest_down: torch.Tensor, can_flip: torch.Tensor,
@@ -116,34 +117,40 @@ def main() -> None:
         J = torch.func.jacfwd(pre_activations)(x[b]).reshape(-1, x[b].numel())
         J = J.detach()  # (units, n): ∇_x z_i per row
         for eps in args.eps:
-            e = torch.full((len(y),), eps, dtype=torch.float64)
-            drop = tb.margin_drop(e)[b]
-            sites, _, _ = tb.walk(e)
-            chords = [s.chord for s in seen]
+            _row(tb, seen, grads, J, b, index[b], int(y[b]), eps, K)
 
-            def flat(name: str, chords=chords, b=b) -> torch.Tensor:
-                return torch.cat([getattr(c, name)[b].reshape(-1) for c in chords])
 
-            z, rho = flat("z"), flat("rho")
-            reach = J.norm(dim=1) * eps
-            other = sum(v[b] for n, v in sites.items() if not n.endswith(".act"))
-            rows = []
-            for j in range(len(tb.margins[b])):
-                if j == int(y[b]):
-                    continue
-                g = torch.cat([grads.sites[(k, "act")][b, j].reshape(-1)
-                               for k in range(K)]).clamp_min(0)
-                first = float(tb.grad_norm[b, j]) * eps
-                quad = quadratic_charge(J, g, z, reach, flat("rest_up"),
-                                        flat("rest_down"), rho > 0, eps)
-                oracle = quadratic_charge(J, g, z, reach, 0 * z, 0 * z, rho > 0, eps)
-                rest = float(other[j])
-                rows.append((float(tb.margins[b, j]), float(drop[j]), first, rest,
-                             float(drop[j]) - first - rest, quad, oracle))
-            m, d, f, r, ch, q, o = max(rows, key=lambda row: row[1] / row[0])
-            print(f"| {index[b]} | {eps:g} | {m:.4f} | {d:.4f} | {f:.4f} | {r:.4f} "
-                  f"| {ch:.4f} | {q:.4f} | {o:.4f} |", flush=True)
+@torch.no_grad()
+def _row(tb, seen: list, grads, J: torch.Tensor, b: int, index: int, label: int,
+         eps: float, K: int) -> None:
+    """Print the table's row of point ``b`` at ``eps`` (module docstring);
+    ``seen`` receives the blocks' steps of the certificate's chord bound."""
+    e = torch.full((len(tb.margins),), eps, dtype=torch.float64)
+    drop = tb.margin_drop(e)[b]
+    sites, _, _ = tb.walk(e)
 
+    def flat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(s.chord, name)[b].reshape(-1) for s in seen])
+
+    z, rho = flat("z"), flat("rho")
+    reach = J.norm(dim=1) * eps
+    other = sum(v[b] for n, v in sites.items() if not n.endswith(".act"))
+    rows = []
+    for j in range(len(tb.margins[b])):
+        if j == label:
+            continue
+        g = torch.cat([grads.sites[(k, "act")][b, j].reshape(-1)
+                       for k in range(K)]).clamp_min(0)
+        first = float(tb.grad_norm[b, j]) * eps
+        quad = quadratic_charge(J, g, z, reach, flat("rest_up"), flat("rest_down"),
+                                rho > 0, eps)
+        oracle = quadratic_charge(J, g, z, reach, 0 * z, 0 * z, rho > 0, eps)
+        rest = float(other[j])
+        rows.append((float(tb.margins[b, j]), float(drop[j]), first, rest,
+                     float(drop[j]) - first - rest, quad, oracle))
+    m, d, f, r, ch, q, o = max(rows, key=lambda row: row[1] / row[0])
+    print(f"| {index} | {eps:g} | {m:.4f} | {d:.4f} | {f:.4f} | {r:.4f} "
+          f"| {ch:.4f} | {q:.4f} | {o:.4f} |", flush=True)
 
 if __name__ == "__main__":
     main()
