@@ -86,6 +86,10 @@ def main() -> None:
     model, x, y, index = float64_points(args.ckpt, args.n)
     if model.config.family != "lipschitz":
         raise SystemExit("relu_coupling: a lipschitz model (ReLU units) is needed")
+    missing = sorted(set(args.index or []) - set(index))
+    if missing:
+        raise SystemExit(f"relu_coupling: test indices {missing} are not among the "
+                         f"--n {args.n} points")
     keep = [index.index(i) for i in args.index] if args.index else range(len(y))
     x, y, index = x[list(keep)], y[list(keep)], [index[i] for i in keep]
     right = model(x).argmax(1) == y
