@@ -45,7 +45,6 @@ import time
 
 import torch
 from _points import float64_points
-from lipvit.certify import taylor as taylor_module
 from lipvit.certify.sites import forward, site_gradients
 from lipvit.certify.taylor import taylor_bound
 
@@ -98,15 +97,6 @@ def main() -> None:
     K = len(model.blocks)
     tb = taylor_bound(model, x, y)
     grads = site_gradients(model, x, y)
-    seen: list = []  # the blocks' steps of the last walk (a hook on the chords)
-    chord_bound = taylor_module._chord_bound
-
-    def hooked(e, steps, w, g, deep):
-        if deep:
-            seen[:] = steps
-        return chord_bound(e, steps, w, g, deep)
-
-    taylor_module._chord_bound = hooked
     print(f"{args.ckpt}: {len(y)} correctly classified points; "
           f"{platform.node()}, {time.strftime('%Y-%m-%d')}; the class with least room")
     print("| index | ε | margin | drop bound | first order | other sites "
@@ -121,20 +111,20 @@ def main() -> None:
         J = torch.func.jacfwd(pre_activations)(x[b]).reshape(-1, x[b].numel())
         J = J.detach()  # (units, n): ∇_x z_i per row
         for eps in args.eps:
-            _row(tb, seen, grads, J, b, index[b], int(y[b]), eps, K)
+            _row(tb, grads, J, b, index[b], int(y[b]), eps, K)
 
 
 @torch.no_grad()
-def _row(tb, seen: list, grads, J: torch.Tensor, b: int, index: int, label: int,
-         eps: float, K: int) -> None:
-    """Print the table's row of point ``b`` at ``eps`` (module docstring);
-    ``seen`` receives the blocks' steps of the certificate's chord bound."""
+def _row(tb, grads, J: torch.Tensor, b: int, index: int, label: int, eps: float,
+         K: int) -> None:
+    """Print the table's row of point ``b`` at ``eps`` (module docstring)."""
     e = torch.full((len(tb.margins),), eps, dtype=torch.float64)
     drop = tb.margin_drop(e)[b]
     sites, _, _ = tb.walk(e)
+    chords = tb.chords(e)
 
     def flat(name: str) -> torch.Tensor:
-        return torch.cat([getattr(s.chord, name)[b].reshape(-1) for s in seen])
+        return torch.cat([getattr(c, name)[b].reshape(-1) for c in chords])
 
     z, rho = flat("z"), flat("rho")
     reach = J.norm(dim=1) * eps

@@ -92,13 +92,15 @@ def radii(model, x: torch.Tensor, y: torch.Tensor) -> None:
     right = model(x).argmax(1) == y
     x, y = x[right], y[right]
     limit = sites.EXACT_MAX
-    for name, size in (("as certified", limit), ("exact sub-blocks", 10**9)):
-        sites.EXACT_MAX = size
-        start = time.process_time()
-        r = taylor_bound(model, x, y).radius()
-        print(f"{name}: radii {' '.join(f'{v:.3g}' for v in r.tolist())} "
-              f"(median {r.median():.3g}), {time.process_time() - start:.0f} s CPU")
-    sites.EXACT_MAX = limit
+    try:
+        for name, size in (("as certified", limit), ("exact sub-blocks", 10**9)):
+            sites.EXACT_MAX = size
+            start = time.process_time()
+            r = taylor_bound(model, x, y).radius()
+            print(f"{name}: radii {' '.join(f'{v:.3g}' for v in r.tolist())} "
+                  f"(median {r.median():.3g}), {time.process_time() - start:.0f} s CPU")
+    finally:
+        sites.EXACT_MAX = limit
 
 
 if __name__ == "__main__":

@@ -593,6 +593,9 @@ class TaylorBound:
         functional: ``(ε, k, v) ↦ (B,)``: an **upper bound** on ``|⟨v, Γ_{2k}⟩|``
             over the ε-ball, ``Γ_{2k}`` the change of block ``k``'s input and
             ``v`` ``(B, N, D)`` (docs/taylor.md §3, direction-aware share).
+        chords: ``ε ↦ [Chord]``: each lipschitz block's ReLU units at ε (their
+            move intervals and ``ρ``, docs/taylor.md §5); empty for a standard
+            model.
     """
 
     margins: Tensor
@@ -602,6 +605,7 @@ class TaylorBound:
     walk: Callable[[Tensor], tuple[dict[str, Tensor], list, Tensor]]
     delta_out: Callable[[Tensor], Tensor]
     functional: Callable[[Tensor, int, Tensor], Tensor]
+    chords: Callable[[Tensor], list[Chord]]
 
     def _eps(self, eps: float | Tensor) -> Tensor:
         m = self.margins
@@ -788,6 +792,9 @@ def taylor_bound(
         v = v.to(x)[:, None].expand(-1, K, -1, -1)  # one copy per class
         return _stream_bound(e, steps[:k], grads, k, v)[:, 0]
 
+    def chords(e: Tensor) -> list[Chord]:
+        return [res.chord for res in run(e)[0] if res.chord is not None]
+
     return TaylorBound(
         margins,
         torch.where(wrong, grad_norm, torch.zeros_like(grad_norm)),
@@ -796,6 +803,7 @@ def taylor_bound(
         walk,
         chain.delta_out,
         functional,
+        chords,
     )
 
 
