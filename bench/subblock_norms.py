@@ -4,8 +4,9 @@ For the attention sub-block ``s ↦ s + attn(N(s))`` of every block, on the test
 points of a checkpoint (the same seeded subsample as ``lipvit certify --n``):
 the product bound ``1 + ‖J_a‖ ‖J_N‖``, the structured bound
 (:func:`lipvit.certify.subblock.subblock_bound`, LayerProject or LayerNorm
-blocks, softmax path by rows; both are what the ``taylor`` budget recursion
-uses for large models), and the exact norm that
+blocks, softmax path by rows or by the weighted factorisation of
+:mod:`lipvit.certify.softmax_norm`; both are what the ``taylor`` budget
+recursion uses for large models), and the exact norm that
 :func:`lipvit.certify.sites.subblock_norms` computes from the whole
 ``(N·D) × (N·D)`` Jacobian (docs/taylor.md §8); ranges over the points. For a
 standard model also the next block's LayerNorm composed with the feed-forward

@@ -10,7 +10,9 @@ LayerNorm's removes each token's mean and (nearly) its centred direction and
 scales the features by ``γ``. The value path is then a Kronecker-structured
 residual map on the complement of known directions, and its norm follows
 from the structured ζ certificate (:mod:`lipvit.certify.structured`) and
-``r × r`` eigenproblems (docs/taylor.md §8, "Projected sub-blocks"; ours).
+``r × r`` eigenproblems (docs/taylor.md §8, "Projected sub-blocks"; ours);
+the softmax path through the norm by rows or, where it matters, by the
+weighted factorisation of :mod:`lipvit.certify.softmax_norm`.
 
 Notation: ``Γ`` an ``N × D`` token matrix, ``K Γ = Σ_h P_h Γ W_vo[h]`` the
 value path, ``S`` the softmax path, ``J_N`` the norm's Jacobian: for a
@@ -34,10 +36,16 @@ from lipvit.certify.remainders import (
     softmax_path,
     softmax_row_gains,
 )
+from lipvit.certify.softmax_norm import softmax_norm_bound
 from lipvit.certify.tangents import top_root
 from torch import Tensor
 
 from lipvit.layers import LayerProject
+
+WEIGHTED_SHARE = 0.1
+"""The softmax path's share of the sub-block bound above which
+:func:`subblock_bound` also computes its weighted bound (about 0.5 s per
+sample and block at Fashion-MNIST size)."""
 
 _SLACK = 1e-10
 """Relative margin on the ``r × r`` part (float64 rounding of ``K'ᵀU`` and its
@@ -164,20 +172,53 @@ def with_softmax_gains(block, attn_in: Tensor, terms: LoFASTTerms
                    var_row_all=var_row_all)
 
 
-def subblock_bound(block, X: Tensor, terms: LoFASTTerms) -> Tensor:
+def token_jacobians(norm, X: Tensor) -> Tensor:
+    """Block-diagonal ``J_k`` ``(B, N, D, D)`` with ``‖S J_N‖ ≤ ‖S diag(J_k)‖``
+    for the norm ``norm`` at ``X`` ``(B, N, D)``: a LayerNorm's token Jacobians
+    ``c_t diag(γ)(I − 11ᵀ/D − ρ_t û_tû_tᵀ)`` (:func:`layernorm_structure`), a
+    token-mode LayerProject's ``c_t(I − x̂_tx̂_tᵀ)``, and ``c I`` for one in
+    Frobenius mode (``J_N = c(I − x̂x̂ᵀ)``, ``‖S J_N‖ ≤ c‖S‖``)."""
+    B, N, D = X.shape
+    eye = torch.eye(D, dtype=X.dtype, device=X.device)
+    if isinstance(norm, LayerProject):
+        c, U = projection_structure(X, norm.radius, norm.mode)
+        if norm.mode == "frobenius":
+            return c[..., None, None] * eye
+        x_hat = U.diagonal(dim1=1, dim2=2).transpose(1, 2)  # (B, N, D): U[:, t, t]
+        return c[..., None, None] * (eye - x_hat[..., :, None] * x_hat[..., None, :])
+    c, gamma, U, kept = layernorm_structure(X, norm)
+    t = torch.arange(N, device=X.device)
+    u = U[:, N + t, t]  # (B, N, D): û_t
+    rho = 1 - kept[:, N:]  # (B, N)
+    Pi = eye - 1 / D - rho[..., None, None] * u[..., :, None] * u[..., None, :]
+    return c[..., None, None] * gamma.detach()[:, None] * Pi
+
+
+def subblock_bound(block, X: Tensor, terms: LoFASTTerms,
+                   weighted: bool = True) -> Tensor:
     """Upper bound ``(B,)`` on ``‖I + J_a J_N‖`` of ``block``'s attention
     sub-block at its clean input ``X`` ``(B, N, D)`` (a LayerProject or a
     LayerNorm ``norm1``), :func:`projected_subblock_norm`; ``terms``: the bare
     attention's at ``norm1(X)`` (with :func:`with_softmax_gains`'s row gains
-    for the tighter softmax path)."""
+    for the tighter softmax path). ``weighted``: where the softmax path's
+    bound is more than :data:`WEIGHTED_SHARE` of the rest, also bound it by
+    :func:`~lipvit.certify.softmax_norm.softmax_norm_bound` (where smaller)."""
     norm = block.norm1
-    W_v, W_o = bound_weights(block.attn)[2:]
+    W_q, W_k, W_v, W_o = bound_weights(block.attn)
     P = torch.softmax(terms.logits, dim=-1)
     if isinstance(norm, LayerProject):
         c, U = projection_structure(X, norm.radius, norm.mode)
         softmax = softmax_path(terms) * c.amax(-1)  # ‖J_N‖ = max c
-        return projected_subblock_norm(P, W_v, W_o, c, U, softmax)
-    c, gamma, U, kept = layernorm_structure(X, norm)
-    L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, torch.zeros_like(c[:, 0]))
-    return projected_subblock_norm(P, gamma[:, None] * W_v, W_o, c, U,
-                                   softmax_path(terms) * L_N, kept)
+        rest = projected_subblock_norm(P, W_v, W_o, c, U, torch.zeros_like(softmax))
+    else:
+        c, gamma, U, kept = layernorm_structure(X, norm)
+        zero = torch.zeros_like(c[:, 0])
+        L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, zero)
+        softmax = softmax_path(terms) * L_N
+        rest = projected_subblock_norm(P, gamma[:, None] * W_v, W_o, c, U,
+                                       torch.zeros_like(softmax), kept)
+    if weighted and bool((softmax > WEIGHTED_SHARE * rest).any()):
+        J = token_jacobians(norm, X)
+        softmax = torch.fmin(softmax, softmax_norm_bound(
+            norm(X).detach(), W_q, W_k, W_v, W_o, P, J))
+    return rest + softmax

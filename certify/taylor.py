@@ -348,6 +348,12 @@ directions) ↦ BlockStep``; a lipschitz block adds its ReLU symbols to the
 :class:`Carried`."""
 
 
+def _unknown(exact: SubBlockNorms | None, k: int) -> bool:
+    """Whether block ``k``'s exact attention sub-block norm is missing (above
+    :data:`~lipvit.certify.sites.EXACT_MAX`), so that its structured bound counts."""
+    return exact is None or not bool(torch.isfinite(exact.attn[:, k]).all())
+
+
 def _tighter(bound: Tensor, exact: SubBlockNorms | None, name: str, k: int) -> Tensor:
     """``bound`` or, where :func:`subblock_norms` ran, the smaller of it and the
     exact clean-point norm ``exact.<name>`` of block ``k`` (both sound)."""
@@ -371,7 +377,8 @@ def _lipschitz_block(
     L2_0 = layer_project_local_lipschitz(
         X_mid, P2.radius, zero, "token", per_token=True
     )
-    gains = _attention_gains(terms, L1_0, exact, k, subblock_bound(block, X, terms))
+    structured = subblock_bound(block, X, terms, weighted=_unknown(exact, k))
+    gains = _attention_gains(terms, L1_0, exact, k, structured)
     w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
     m_mid = 2 * k + 1
 
@@ -482,7 +489,8 @@ def _standard_block(
     zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
     L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
     L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
-    gains = _attention_gains(terms, L1_0, exact, k, subblock_bound(block, X, terms))
+    structured = subblock_bound(block, X, terms, weighted=_unknown(exact, k))
+    gains = _attention_gains(terms, L1_0, exact, k, structured)
     w_q, w_k = (spectral_norm(W) for W in block.attn.head_weights()[:2])  # (H,)
     q2 = quadratic_coefficient(terms)  # ‖½D²a[x,x]‖ ≤ q2 ‖x‖², second order
     W1 = block.mlp.fc1.weight  # (m, D)

@@ -101,6 +101,9 @@ class TrainConfig:
             ``cert_eps`` ramps linearly from 0 (0: the full radius at once).
         cert_stream: ``ρ``, the per-token move at an SLL input per unit of
             image perturbation that the ReLU term assumes.
+        cert_mix: ``κ``, the certified loss's share: the cross-entropy is
+            ``(1 − κ) CE(f(x)) + κ CE(raised logits)`` (1: the certified loss
+            alone).
         augment: apply the dataset's random crop / flip (:attr:`Dataset.augment`).
         seed: seeds initialisation, batch order, augmentation and PGD starts.
         deterministic: ``torch.use_deterministic_algorithms(True)`` during
@@ -132,6 +135,7 @@ class TrainConfig:
     cert_eps: float = 0.0
     cert_warmup: float = 0.25
     cert_stream: float = 0.25
+    cert_mix: float = 1.0
     augment: bool = True
     seed: int = 0
     deterministic: bool = False
@@ -168,6 +172,8 @@ class TrainConfig:
             )
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be a finite number >= 0, got {self.margin}")
+        if not 0 <= self.cert_mix <= 1:
+            raise ValueError(f"cert_mix must lie in [0, 1], got {self.cert_mix}")
         if not 0 <= self.cert_warmup <= 1:
             raise ValueError(
                 f"cert_warmup must lie in [0, 1] (a fraction of the training "
@@ -597,6 +603,11 @@ def train_step(
         loss = margin_cross_entropy(
             seen.float(), y, cfg.loss_scale, cfg.margin, cfg.label_smoothing
         )
+        if certifying and cfg.cert_mix < 1:
+            clean = margin_cross_entropy(
+                logits.float(), y, cfg.loss_scale, cfg.margin, cfg.label_smoothing
+            )
+            loss = cfg.cert_mix * loss + (1 - cfg.cert_mix) * clean
         objective = loss if stability is None else loss + stability()
         if msvp is not None:
             penalty, _ = msvp()

@@ -17,7 +17,7 @@ from lipvit.checkpoint import load_checkpoint
 from lipvit.cli import main
 from lipvit.data import load_dataset
 from lipvit.model import ViT
-from lipvit.train import TrainConfig, train
+from lipvit.train import TrainConfig, margin_cross_entropy, train, train_step
 from tests.conftest import nonlinear_model, tiny_config
 
 F64 = torch.float64
@@ -245,6 +245,28 @@ def test_training_lowers_the_charged_margin_drop(tmp_path, digits_data):
     assert terms[0.1][1] < 0.25 * terms[0.0][1]
 
 
+@pytest.mark.parametrize("mix", [0.0, 0.3, 1.0])
+def test_cert_mix_weighs_the_certified_and_the_plain_loss(mix):
+    """``cert_mix = κ``: the step's loss is ``κ CE(raised) + (1 − κ) CE(plain)``,
+    each term computed on its own from the same weights and batch."""
+    model = nonlinear_model("lipschitz", 0).float().train()
+    x = torch.rand(8, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(8) % 10
+    cfg = TrainConfig(cert_eps=0.1, cert_mix=mix, loss_scale=4.0, device="cpu")
+    cert = CertifiedLoss(model, cfg.cert_stream)
+    cert.clear()
+    xg = x.clone().requires_grad_(True)
+    with cert.context():
+        logits = model(xg)
+        raised = cert.raised_logits(logits, xg, y, 0.1)
+    expect = (mix * margin_cross_entropy(raised, y, 4.0, 0.0, 0.0)
+              + (1 - mix) * margin_cross_entropy(logits, y, 4.0, 0.0, 0.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss, _, _ = train_step(model, opt, x, y, cfg, cert=cert, cert_eps=0.1)
+    assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
+    assert (raised > logits).any()  # the two terms differ
+
+
 def test_checkpoints_from_before_cert_eps_resume(tmp_path, digits_data):
     """A checkpoint whose training settings predate the cert_* fields was trained
     without the loss, as their defaults say: resuming it is not refused, while a
@@ -256,7 +278,7 @@ def test_checkpoints_from_before_cert_eps_resume(tmp_path, digits_data):
     out = tmp_path / "old.pt"
     train(cfg, tc, data, out, progress=False)
     raw = torch.load(out, weights_only=False)
-    for key in ("cert_eps", "cert_warmup", "cert_stream"):
+    for key in ("cert_eps", "cert_warmup", "cert_stream", "cert_mix"):
         del raw["train_config"][key]
     torch.save(raw, out)
     longer = TrainConfig(**{**tc.to_dict(), "epochs": 2, "msvp": tc.msvp})
@@ -282,6 +304,9 @@ def test_config_refusals():
     for bad in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="cert_stream"):
             TrainConfig(cert_stream=bad)
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="cert_mix must lie in"):
+            TrainConfig(cert_mix=bad)
     with pytest.raises(ValueError, match="needs the lipschitz family"):
         check_certifiable(ViT(tiny_config("standard")))
     with pytest.raises(ValueError, match="needs the lipschitz family"):
@@ -329,12 +354,13 @@ def test_cli_trains_with_cert_eps_msvp_and_relu_stability(tmp_path: Path):
     result = CliRunner().invoke(main, [
         "train", "--family", "lipschitz", *TINY, "--msvp", "1e-3",
         "--relu-stability", "0.2", "--cert-eps", "0.1", "--cert-warmup", "0",
-        "--cert-stream", "0.5", "--out", str(out)])
+        "--cert-stream", "0.5", "--cert-mix", "0.5", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "cert " in result.output and "@ 0.1" in result.output
     assert "unstable" in result.output
     tc = load_checkpoint(out).raw["train_config"]
     assert (tc["cert_eps"], tc["cert_warmup"], tc["cert_stream"]) == (0.1, 0.0, 0.5)
+    assert tc["cert_mix"] == 0.5
     assert tc["relu_stability"] == 0.2 and tc["msvp"] == [1e-3] * 3
 
 

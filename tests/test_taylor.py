@@ -704,6 +704,7 @@ def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed, monkeypa
     if not kw.pop("exact", True):  # large models: product and patch-block bounds
         monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
         monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.subblock.WEIGHTED_SHARE", 0.0)
     model = _model(family, seed, **kw)
     x = torch.rand(3, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -1048,6 +1049,7 @@ def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
     if not exact:  # large models: product and patch-block bounds
         monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
         monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.subblock.WEIGHTED_SHARE", 0.0)
     model = _model(family, seed)
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

@@ -237,6 +237,13 @@ def _defaults_help(name: str, default: Any = None) -> str:
     f"the --cert-eps loss assumes [default: {_field_default('cert_stream')}].",
 )
 @click.option(
+    "--cert-mix",
+    type=float,
+    default=None,
+    help="Share of the --cert-eps loss in the cross-entropy; the rest is the "
+    f"plain loss [default: {_field_default('cert_mix')}].",
+)
+@click.option(
     "--augment/--no-augment",
     default=None,
     help="Random crop/flip suited to the dataset "
