@@ -97,7 +97,7 @@ def weighted_norm(f: SoftmaxFactors, lw: Tensor, lv: Tensor) -> Tensor:
     w2, v2 = (2 * lw).exp(), (2 * lv).exp()
     B, N, H, _, D = f.g.shape
     Jt = f.J.transpose(-1, -2)
-    bb = (f.b[..., :, None] * f.b[..., None, :]).sum(2).reshape(B, N, D * D)
+    bb = (f.b.transpose(-1, -2) @ f.b).reshape(B, N, D * D)  # Σ_h b_{hr}b_{hr}ᵀ
     inner = (w2.transpose(1, 2) @ bb).reshape(B, N, D, D)  # (B, k, D, D)
     F = Jt @ inner @ f.J + v2[..., None, None] * (Jt @ f.J)
     g = f.g.reshape(B, N, H * N, D)  # (B, r, (h, k), D)
