@@ -4,11 +4,12 @@ The attention sub-block's structured bound (:mod:`lipvit.certify.subblock`)
 bounds its softmax path through the norm, ``‖S J_N‖``, by ``max_r R_r ‖M‖
 ‖J_N‖``: 7–20× the exact norm on two points of a standard Fashion-MNIST
 model (docs/taylor.md §8), where a LayerNorm's ``1/s_t`` is large on the
-few near-constant tokens that barely move the attention. Here ``J_N`` is block-diagonal over tokens (``J_k``
-``D × D``: LayerNorm, a token-mode LayerProject, or ``c I`` for one in
-Frobenius mode) and the weights ``w`` of an intermediate space are chosen so
-that each factor's norm is a largest eigenvalue of ``D × D`` Gram matrices
-(docs/taylor.md §8, "Softmax path through the norm"; ours).
+few near-constant tokens that barely move the attention. Here ``J_N`` is
+block-diagonal over tokens (``J_k`` ``D × D``: LayerNorm, a token-mode
+LayerProject, or ``c I`` for one in Frobenius mode) and the weights ``w``
+of an intermediate space are chosen so that each factor's norm is a largest
+eigenvalue of ``D × D`` Gram matrices (docs/taylor.md §8, "Softmax path
+through the norm"; ours).
 
 Notation (one sample, heads ``h``, query rows ``r``, keys ``k``): ``Y`` the
 attention's input, ``A_h = W_q[h] W_k[h]ᵀ/√d``, ``V_h = Y W_vo[h]``,
