@@ -360,15 +360,24 @@ def pipeline_report(
     # Training.
     summaries = {
         name: _read(out / "models" / f"{name}.json")
-        for name in ("vanilla", "msvp", "lipschitz")
+        for name in ("vanilla", "msvp", "lipschitz-base", "lipschitz")
     }
     summaries = {k: v for k, v in summaries.items() if v}
     if summaries:
         rep.heading("Training")
         rep.table(TRAINING_HEADERS, training_rows(summaries))
+        stage = (summaries.get("lipschitz", {}).get("train_config") or {})
         rep.text(
             "σ_max: exact largest singular values (dense SVD) of every head's "
             "W_q, W_k, W_v."
+            + (
+                " `lipschitz-base` is the lipschitz model's first stage; "
+                "`lipschitz` continues it with certified training for `taylor` "
+                f"at ε = {fmt(stage.get('cert_eps'))} (docs/certified-training.md) "
+                "and is the model attacked and certified below."
+                if "lipschitz-base" in summaries and stage.get("cert_eps")
+                else ""
+            )
         )
         _commands(rep, commands, [f"train/{n}" for n in summaries])
 

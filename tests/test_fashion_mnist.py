@@ -4,7 +4,9 @@ pipeline's wiring; the real files where Debian's package installed them."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import os
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +179,13 @@ def test_preset_is_49_patches_plus_the_class_token() -> None:
     assert cfg.attn_radius > 1 and cfg.v_cap * cfg.o_cap > 0.25
 
 
+def test_lipschitz_preset_is_16_patches_plus_the_class_token() -> None:
+    cfg = preset("fmnist-p7-3x128", family="lipschitz")
+    assert (cfg.image_size, cfg.patch_size, cfg.num_patches + 1) == (28, 7, 17)
+    assert (cfg.depth, cfg.embed_dim) == (3, 128)
+    assert cfg.attn_radius > 1 and cfg.v_cap * cfg.o_cap > 0.25
+
+
 def test_schedules_per_dataset() -> None:
     for family in ("standard", "lipschitz"):
         digits = train_config_for(family, "digits")
@@ -214,6 +223,13 @@ def test_cli_train_defaults_to_the_fashion_mnist_preset(tmp_path: Path) -> None:
     assert (ckpt.config.patch_size, ckpt.config.embed_dim) == (4, 64)
     assert ckpt.summary["train_config"]["batch_size"] == 128
     assert ckpt.summary["dataset"]["class_names"][9] == "Ankle boot"
+    result = CliRunner().invoke(main, [
+        "train", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "data"),
+        "--family", "lipschitz", "--depth", "1", "--epochs", "1", "--no-progress",
+        "--out", str(tmp_path / "lip.pt")])
+    assert result.exit_code == 0, result.output
+    config = load_checkpoint(tmp_path / "lip.pt").config
+    assert (config.patch_size, config.embed_dim) == (7, 128)  # fmnist-p7-3x128
 
 
 @pytest.mark.parametrize("command", [
@@ -236,20 +252,61 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
     for settings in (full, Settings.fast_mode("fashion-mnist")):
         plan = build_plan(tmp_path, settings, dataset="fashion-mnist")
         trains = [step for step in plan.steps if step.train]
-        assert len(trains) == 3
+        assert [s.key for s in trains] == ["train/vanilla", "train/msvp",
+                                           "train/lipschitz-base", "train/lipschitz"]
         for step in trains:
             args = list(step.args)
             assert args[args.index("--dataset") + 1] == "fashion-mnist"
-            assert "--preset" not in args  # `lipvit train` picks fmnist-3x64
-        with_epochs = [step for step in trains if "--epochs" in step.args]
-        assert len(with_epochs) == (0 if settings == full else 3)
+            assert "--preset" not in args  # `lipvit train` picks the presets
+        # The lipschitz model's certified stage continues the first stage with
+        # its own epochs (CERT_STAGES); --fast shortens every training.
+        stage = list(trains[-1].args)
+        assert stage[stage.index("--init") + 1] == str(plan.model("lipschitz-base"))
+        assert float(stage[stage.index("--cert-eps") + 1]) > 0
+        assert trains[-1].inputs == (plan.model("lipschitz-base"),)
+        epochs = [s.args[s.args.index("--epochs") + 1] for s in trains
+                  if "--epochs" in s.args]
+        assert epochs == (["2"] if settings == full else ["1"] * 4)
+    off = build_plan(tmp_path, dataclasses.replace(full, cert_stage_epochs=0),
+                     dataset="fashion-mnist")
+    assert [s.key for s in off.steps if s.train][-1] == "train/lipschitz"
+    assert not any("--init" in s.args for s in off.steps)
     assert Settings.fast_mode().preset == "digits-tiny"  # digits: as before
     assert Settings.for_dataset("digits") == Settings()
+    digits = build_plan(tmp_path, Settings(), dataset="digits")
+    assert len([s for s in digits.steps if s.train]) == 3  # no certified stage
     attack = next(step for step in build_plan(tmp_path, full, dataset="fashion-mnist")
                   .steps if step.key == "attack/lipschitz")
     args = list(attack.args)  # real images: the literature's l2 radii, with APGD
     assert args[args.index("--eps") + 1] == "0.1,0.25,0.5,1.0"
     assert "apgd" in args[args.index("--attack") + 1].split(",")
+
+
+def test_pipeline_trains_the_certified_stage_from_the_first(tmp_path: Path) -> None:
+    from lipvit.analysis.report import pipeline_report
+
+    from lipvit.checkpoint import load_checkpoint
+    from lipvit.commands.pipeline import run_step
+
+    _fake(tmp_path / "data", compress=False)
+    plan = build_plan(tmp_path / "run", Settings.fast_mode("fashion-mnist"),
+                      dataset="fashion-mnist", data_dir=tmp_path / "data",
+                      device="cpu", threads=1)
+    first, second = (next(s for s in plan.steps if s.key == key)
+                     for key in ("train/lipschitz-base", "train/lipschitz"))
+    assert [run_step(first, False), run_step(second, False)] == ["ran", "ran"]
+    base = load_checkpoint(plan.model("lipschitz-base"))
+    tuned = load_checkpoint(plan.model("lipschitz"))
+    assert tuned.config == base.config and base.config.patch_size == 7
+    assert base.summary["train_config"]["cert_eps"] == 0
+    assert tuned.summary["train_config"]["cert_eps"] == 0.2
+    assert run_step(second, False) == "skipped"
+    # A newer first stage makes the certified stage stale (like make).
+    later = plan.model("lipschitz").stat().st_mtime + 10
+    os.utime(plan.model("lipschitz-base"), (later, later))
+    assert not second.done()
+    report = pipeline_report(plan.out, {}, {}).render()
+    assert "lipschitz-base" in report and "ε = 0.2" in report
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason=f"{REAL} absent "

@@ -1,9 +1,11 @@
 """``lipvit pipeline``: the whole study on one dataset, ending in ``report.md``.
 
 Trains a vanilla standard ViT (``--msvp 0``), an MSVP standard ViT and an MSVP
-lipschitz-family ViT; attacks all three; certifies the lipschitz and MSVP
-models; measures the tightness of the bounds (one attention layer and the
-whole network) and compares the spectra of vanilla and MSVP; then writes
+lipschitz-family ViT (where the dataset has one, in two stages: the second is
+certified training for ``taylor``, :data:`lipvit.train.CERT_STAGES`); attacks
+all three; certifies the lipschitz and MSVP models; measures the tightness of
+the bounds (one attention layer and the whole network) and compares the spectra
+of vanilla and MSVP; then writes
 ``OUT/report.md`` with the tables, the figures and the command of every part.
 
 Every step *is* one ``lipvit`` command, run in this process through its click
@@ -64,6 +66,9 @@ class Settings:
     epochs: int | None = None  # None: `lipvit train`'s per-family defaults
     preset: str | None = None  # None: `lipvit train`'s per-family default preset
     msvp: float = 1e-3
+    # The lipschitz model's certified second stage (`lipvit train`'s
+    # CERT_STAGES, where the dataset has one): None its own epochs, 0 none.
+    cert_stage_epochs: int | None = None
     attacks: str = "pgd-l2,cw"
     attack_eps: str = "0.005,0.01,0.02,0.05,0.1,0.2,0.5"
     attack_n: int = 100
@@ -102,11 +107,12 @@ class Settings:
 
     @classmethod
     def fast_mode(cls, dataset: str = "digits") -> Settings:
-        """Smoke-test sizes; off digits, one epoch of `lipvit train`'s preset for
-        the dataset (``fmnist-3x64`` for ``fashion-mnist``)."""
+        """Smoke-test sizes; off digits, one epoch of `lipvit train`'s presets for
+        the dataset (and one of the certified stage)."""
         digits = dataset == "digits"
         return cls(
             epochs=2 if digits else 1,
+            cert_stage_epochs=None if digits else 1,
             preset="digits-tiny" if digits else None,
             attacks="pgd-l2",
             attack_eps="0.5",
@@ -184,10 +190,11 @@ class Step:
 
     def done(self) -> bool:
         """All outputs exist and are newer than every input (like make); for
-        training: a checkpoint with a final summary."""
+        training, the outputs are a finished checkpoint and its summary."""
         if self.train:
-            return _finished(self.outputs[0]) and self.outputs[1].exists()
-        if not all(p.exists() for p in self.outputs):
+            if not (_finished(self.outputs[0]) and self.outputs[1].exists()):
+                return False
+        elif not all(p.exists() for p in self.outputs):
             return False
         oldest = min(p.stat().st_mtime_ns for p in self.outputs)
         return all(p.exists() and p.stat().st_mtime_ns <= oldest for p in self.inputs)
@@ -252,36 +259,28 @@ def build_plan(
         "msvp": ("standard", f"{s.msvp:g}"),
         "lipschitz": ("lipschitz", f"{s.msvp:g}"),
     }
+    common = ("--dataset", dataset, *data_dir_args, "--device", train_dev,
+              "--seed", "0", "--no-progress", *thr)
+    stage = _cert_stage(dataset, s)
     for name, (family, lam) in families.items():
         ckpt = plan.model(name)
-        args = (
-            "--family",
-            family,
-            "--msvp",
-            lam,
-            *size,
-            "--dataset",
-            dataset,
-            *data_dir_args,
-            "--device",
-            train_dev,
-            "--seed",
-            "0",
-            "--no-progress",
-            *thr,
-            "--out",
-            str(ckpt),
-        )
-        add(
-            Step(
-                f"train/{name}",
-                f"train {name}",
-                train_command,
-                args,
-                (ckpt, ckpt.with_suffix(".json")),
-                train=True,
-            )
-        )
+        if family == "lipschitz" and stage:
+            first = plan.model(f"{name}-base")
+            add(Step(f"train/{name}-base", f"train {name} (first stage)",
+                     train_command,
+                     ("--family", family, "--msvp", lam, *size, *common,
+                      "--out", str(first)),
+                     (first, first.with_suffix(".json")), train=True))
+            add(Step(f"train/{name}", f"train {name} (certified stage)",
+                     train_command,
+                     ("--family", family, "--msvp", lam, "--init", str(first),
+                      *stage, *common, "--out", str(ckpt)),
+                     (ckpt, ckpt.with_suffix(".json")), train=True,
+                     inputs=(first,)))
+            continue
+        args = ("--family", family, "--msvp", lam, *size, *common, "--out", str(ckpt))
+        add(Step(f"train/{name}", f"train {name}", train_command, args,
+                 (ckpt, ckpt.with_suffix(".json")), train=True))
     for name in MODELS:
         ckpt = plan.model(name)
         js, cs = out / "attack" / f"{name}.json", out / "attack" / f"{name}.csv"
@@ -488,6 +487,20 @@ def build_plan(
         )
     )
     return plan
+
+
+def _cert_stage(dataset: str, s: Settings) -> tuple[str, ...]:
+    """``lipvit train`` options of the lipschitz model's certified second stage
+    (:data:`lipvit.train.CERT_STAGES`); empty where there is none."""
+    from lipvit.train import CERT_STAGES
+
+    stage = dict(CERT_STAGES.get((dataset, "lipschitz"), {}))
+    if not stage or s.cert_stage_epochs == 0:
+        return ()
+    if s.cert_stage_epochs is not None:
+        stage["epochs"] = s.cert_stage_epochs
+    return tuple(arg for key, value in stage.items()
+                 for arg in ("--" + key.replace("_", "-"), f"{value:g}"))
 
 
 def step_args(step: Step, force: bool) -> tuple[list[str], str] | None:
@@ -722,14 +735,14 @@ def run_plan(
     type=click.Choice(tuple(PRESETS)),
     help="model size for all three models (default: `lipvit train`'s "
     "per-dataset and per-family preset: digits-tiny/digits-small on digits, "
-    "fmnist-3x64 on fashion-mnist)",
+    "fmnist-3x64/fmnist-p7-3x128 on fashion-mnist)",
 )
 @click.option(
     "--epochs",
     type=click.IntRange(min=1),
     default=None,
     help="training epochs (default: `lipvit train`'s per-dataset and per-family "
-    "defaults)",
+    "defaults; a certified second stage keeps its own)",
 )
 @click.option(
     "--msvp",
@@ -744,8 +757,9 @@ def run_plan(
     default="digits",
     show_default=True,
     help="digits: the quick default job; fashion-mnist: real 28×28 images, "
-    "fmnist-3x64 models and their schedules (up to 30 minutes of training per "
-    "model on a 2-core CPU)",
+    "the presets and schedules of `lipvit train` (up to 30 minutes of training "
+    "per model on a 2-core CPU) and a certified second stage of the lipschitz "
+    "model",
 )
 @click.option(
     "--data-dir",
