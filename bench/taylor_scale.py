@@ -1,8 +1,8 @@
 """`taylor` and `lofast` at scale (issue 20): seconds, peak memory and work per sample.
 
 For each preset (random weights, seeded; ``digits-small``, ``fmnist-3x64``,
-``cifar-lofast-3x128``, ``cifar-lofast-6x384``) and family, in a fresh
-subprocess each (so that its peak resident memory is its own):
+``fmnist-p7-3x128``, ``cifar-lofast-3x128``, ``cifar-lofast-6x384``) and family,
+in a fresh subprocess each (so that its peak resident memory is its own):
 
 * ``lofast``: ``network_bound(model, x, "lofast").delta_out(0.01)``;
 * ``taylor``: ``taylor_bound(model, x, y)`` then ``.margin_drop(0.01)``.
@@ -51,7 +51,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lipvit import ViT, preset
 
-PRESETS = ("digits-small", "fmnist-3x64", "cifar-lofast-3x128", "cifar-lofast-6x384")
+PRESETS = ("digits-small", "fmnist-3x64", "fmnist-p7-3x128", "cifar-lofast-3x128",
+           "cifar-lofast-6x384")
 
 
 def _clock(device: torch.device) -> float:

@@ -191,6 +191,25 @@ class ViTConfig:
         )
 
 
+_FMNIST_3X64: dict[str, Any] = dict(
+    image_size=28,
+    in_chans=1,
+    patch_size=4,
+    embed_dim=64,
+    depth=3,
+    num_heads=4,
+    mlp_ratio=2.0,
+    # lipschitz family only (the standard family has no projection or caps): at
+    # LoFAST's radius 1 and caps 0.5 the Frobenius projection of 50 tokens
+    # leaves the class token about 0.03 of norm per block, and the model
+    # underfits (79.6 % test after 20 epochs, 80.6 % train); radius 8 and caps 1
+    # reach 80.4 % after 2 epochs against 72.5 % (measured on 1 CPU thread,
+    # docs/results.md).
+    attn_radius=8.0,
+    v_cap=1.0,
+    o_cap=1.0,
+)
+
 # Named architectures (size only: family, dataset statistics and classes are set
 # by the caller). CIFAR sizes follow SpecFormer (ViT-S-like) and LoFAST §5.2.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -215,42 +234,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 28×28 grayscale (Fashion-MNIST, MNIST): patch 4 gives 7×7 = 49 patches
     # plus the class token; sized to train in well under 30 minutes per model
     # on a 2-core CPU.
-    "fmnist-3x64": dict(
-        image_size=28,
-        in_chans=1,
-        patch_size=4,
-        embed_dim=64,
-        depth=3,
-        num_heads=4,
-        mlp_ratio=2.0,
-        # lipschitz family only (the standard family has no projection or caps):
-        # at LoFAST's radius 1 and caps 0.5 the Frobenius projection of 50
-        # tokens leaves the class token about 0.03 of norm per block, and the
-        # model underfits (79.6 % test after 20 epochs, 80.6 % train); radius 8
-        # and caps 1 reach 80.4 % after 2 epochs against 72.5 % (measured on
-        # 1 CPU thread, docs/results.md).
-        attn_radius=8.0,
-        v_cap=1.0,
-        o_cap=1.0,
-    ),
+    "fmnist-3x64": dict(_FMNIST_3X64),
     # The lipschitz family's Fashion-MNIST default: 7×7 patches (16 + 1 tokens)
     # and a wider model at about fmnist-3x64's training cost. fmnist-3x64's
     # lipschitz model is short of capacity (86.7 % train, 85.1 % test) and its
     # attention near uniform, so each 4×4 patch sees little beyond its own
     # pixels; this one reaches 87.4 % test in 24 minutes on one CPU thread
     # (docs/fashion-mnist.md). Projection radius and caps as fmnist-3x64.
-    "fmnist-p7-3x128": dict(
-        image_size=28,
-        in_chans=1,
-        patch_size=7,
-        embed_dim=128,
-        depth=3,
-        num_heads=4,
-        mlp_ratio=2.0,
-        attn_radius=8.0,
-        v_cap=1.0,
-        o_cap=1.0,
-    ),
+    "fmnist-p7-3x128": dict(_FMNIST_3X64, patch_size=7, embed_dim=128),
     "cifar-lofast-3x128": dict(
         image_size=32,
         in_chans=3,
