@@ -57,8 +57,8 @@ MODELS = ("vanilla", "msvp", "lipschitz")
 class Settings:
     """Sizes of one pipeline run (defaults: a 2-core CPU in about 16 minutes on
     digits, half of it certifying the standard model with ``taylor``'s
-    second-order models; on ``fashion-mnist`` training takes up to 30 minutes
-    per model).
+    second-order models; on ``fashion-mnist`` training takes 25–35 minutes per
+    model and the whole run about 80 with ``--jobs 2``).
 
     ``fast`` shrinks everything to a smoke test (about a minute on digits).
     """
@@ -757,9 +757,9 @@ def run_plan(
     default="digits",
     show_default=True,
     help="digits: the quick default job; fashion-mnist: real 28×28 images, "
-    "the presets and schedules of `lipvit train` (up to 30 minutes of training "
-    "per model on a 2-core CPU) and a certified second stage of the lipschitz "
-    "model",
+    "the presets and schedules of `lipvit train` (25–35 minutes of training "
+    "per model on a 2-core CPU, about 80 minutes in all with --jobs 2) and a "
+    "certified second stage of the lipschitz model",
 )
 @click.option(
     "--data-dir",
