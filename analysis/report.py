@@ -366,7 +366,7 @@ def pipeline_report(
     if summaries:
         rep.heading("Training")
         rep.table(TRAINING_HEADERS, training_rows(summaries))
-        stage = (summaries.get("lipschitz", {}).get("train_config") or {})
+        stage = summaries.get("lipschitz", {}).get("train_config") or {}
         rep.text(
             "σ_max: exact largest singular values (dense SVD) of every head's "
             "W_q, W_k, W_v."

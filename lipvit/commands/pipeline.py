@@ -5,8 +5,8 @@ lipschitz-family ViT (where the dataset has one, in two stages: the second is
 certified training for ``taylor``, :data:`lipvit.train.CERT_STAGES`); attacks
 all three; certifies the lipschitz and MSVP models; measures the tightness of
 the bounds (one attention layer and the whole network) and compares the spectra
-of vanilla and MSVP; then writes
-``OUT/report.md`` with the tables, the figures and the command of every part.
+of vanilla and MSVP; then writes ``OUT/report.md`` with the tables, the figures
+and the command of every part.
 
 Every step *is* one ``lipvit`` command, run in this process through its click
 entry point (``Command.main(args, standalone_mode=False)``: no shell, no new
@@ -261,26 +261,25 @@ def build_plan(
     }
     common = ("--dataset", dataset, *data_dir_args, "--device", train_dev,
               "--seed", "0", "--no-progress", *thr)
+
+    def add_training(name: str, title: str, args: tuple[str, ...],
+                     inputs: tuple[Path, ...] = ()) -> Path:
+        ckpt = plan.model(name)
+        add(Step(f"train/{name}", title, train_command,
+                 (*args, *common, "--out", str(ckpt)),
+                 (ckpt, ckpt.with_suffix(".json")), train=True, inputs=inputs))
+        return ckpt
+
     stage = _cert_stage(dataset, s)
     for name, (family, lam) in families.items():
-        ckpt = plan.model(name)
+        own = ("--family", family, "--msvp", lam)
         if family == "lipschitz" and stage:
-            first = plan.model(f"{name}-base")
-            add(Step(f"train/{name}-base", f"train {name} (first stage)",
-                     train_command,
-                     ("--family", family, "--msvp", lam, *size, *common,
-                      "--out", str(first)),
-                     (first, first.with_suffix(".json")), train=True))
-            add(Step(f"train/{name}", f"train {name} (certified stage)",
-                     train_command,
-                     ("--family", family, "--msvp", lam, "--init", str(first),
-                      *stage, *common, "--out", str(ckpt)),
-                     (ckpt, ckpt.with_suffix(".json")), train=True,
-                     inputs=(first,)))
-            continue
-        args = ("--family", family, "--msvp", lam, *size, *common, "--out", str(ckpt))
-        add(Step(f"train/{name}", f"train {name}", train_command, args,
-                 (ckpt, ckpt.with_suffix(".json")), train=True))
+            first = add_training(f"{name}-base", f"train {name} (first stage)",
+                                 (*own, *size))
+            add_training(name, f"train {name} (certified stage)",
+                         (*own, "--init", str(first), *stage), inputs=(first,))
+        else:
+            add_training(name, f"train {name}", (*own, *size))
     for name in MODELS:
         ckpt = plan.model(name)
         js, cs = out / "attack" / f"{name}.json", out / "attack" / f"{name}.csv"
