@@ -1,17 +1,18 @@
 #!/bin/bash
-# The GPU checks of issue 20 in one call (with a profile of where the time
-# goes), for a lent CUDA machine whose python3 has torch but not lipvit (nothing is fetched: lipvit installs from this tree,
+# The GPU checks of issue 20 in one call, for a lent CUDA machine whose python3
+# has torch but not lipvit (nothing is fetched: lipvit installs from this tree,
 # without dependencies; torchattacks and auto_LiRPA, pure Python, come from
 # SITE if given). Each step has its own time limit so that one slow step does
-# not eat the others' (limits sized from the H100 runs of 2026-11-26: the
-# tests took 44 s, the 3×128 rows about 50 s each, the profile under 60 s, 50
-# Fashion-MNIST samples 101 s; about 9 minutes in all with the machine's start).
-# Writes its logs to OUT (default: ./device-out).
+# not eat the others' (sized from the H100 runs of 2026-11-26; about 9 minutes
+# in all with the machine's start). Writes its logs to OUT (default:
+# ./device-out).
 #
 #     SITE=path/to/site-packages-copy OUT=out bash bench/device_checks.sh [CKPT DATA_DIR]
 #
-# CKPT, DATA_DIR: a trained checkpoint and its dataset's directory, for a
-# `lipvit certify --method taylor --radius` run on the GPU (skipped without).
+# Steps: the CUDA tests; the dense eigenproblems on the host against cuSOLVER
+# (lipvit.spectral.HOST_LINALG_MAX, --host-linalg-max 0 the baseline) in the
+# same run; `lipvit certify --method taylor --radius` on CKPT (skipped
+# without); batch 8 at 3×128; a profile of one certificate.
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -19,15 +20,21 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${SITE:-}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
     > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
 python3 -c "import torch, lipvit.certify.taylor; print(torch.__version__, torch.cuda.get_device_name())"
-timeout 90 python3 -m pytest -m gpu -p no:cacheprovider -rs \
-    tests/test_lofast.py tests/test_structured.py tests/test_tangents.py tests/test_jets.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
-timeout 210 python3 bench/taylor_scale.py --device cuda --no-flops \
-    --presets cifar-lofast-3x128 --batch 1 8 2>&1 | tee "$OUT/taylor_scale_cuda.md"
-timeout 60 python3 bench/taylor_scale.py --device cuda --profile fmnist-3x64 lipschitz \
-    > "$OUT/profile.txt" 2>&1; grep "^# profile" "$OUT/profile.txt"
+timeout 90 python3 -m pytest -m gpu -p no:cacheprovider -rs -o addopts="" -q \
+    tests/test_lofast.py tests/test_structured.py tests/test_tangents.py \
+    tests/test_jets.py tests/test_rounding.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+for K in 1024 0; do
+    timeout 100 python3 bench/taylor_scale.py --device cuda --no-flops --host-linalg-max $K \
+        --presets fmnist-3x64 cifar-lofast-3x128 2>&1 | tee "$OUT/taylor_scale_host$K.md"
+done
 if [ $# -ge 2 ]; then
-    timeout 150 python3 -m lipvit certify --ckpt "$1" --data-dir "$2" --device cuda \
-        --method taylor --eps 0.05,0.1,0.25,0.5 --samples 50 --batch-size 50 --radius \
+    timeout 100 python3 -m lipvit certify --ckpt "$1" --data-dir "$2" --device cuda \
+        --method taylor --eps 0.05,0.1,0.25,0.5 --samples 20 --batch-size 20 --radius \
         --json "$OUT/certify-cuda.json" 2>&1 | tr '\r' '\n' | grep -v "it/s" \
         | tee "$OUT/certify.log" | tail -12
 fi
+timeout 120 python3 bench/taylor_scale.py --device cuda --no-flops \
+    --presets cifar-lofast-3x128 --families standard --batch 8 2>&1 \
+    | tee "$OUT/taylor_scale_batch8.md"
+timeout 45 python3 bench/taylor_scale.py --device cuda --profile fmnist-3x64 lipschitz \
+    > "$OUT/profile.txt" 2>&1; grep "^# profile" "$OUT/profile.txt"

@@ -22,6 +22,10 @@ norms, for the presets whose exact norms are affordable and ``--ckpt``.
 ``--profile PRESET FAMILY``: where one ``taylor`` certificate's time goes
 (``torch.profiler``, after a warm-up run): the operators by self time and the
 count of host synchronisations (values read back to the host).
+``--host-linalg-max K``: on CUDA, the largest matrix side whose dense eigen-
+and singular-value problems run on the host
+(:data:`lipvit.spectral.HOST_LINALG_MAX`; ``0``: all on the device, the
+baseline to compare with).
 
 Usage::
 
@@ -31,6 +35,7 @@ Usage::
     python bench/taylor_scale.py --tightness --presets digits-small fmnist-3x64
     python bench/taylor_scale.py --device cuda
     python bench/taylor_scale.py --device cuda --profile cifar-lofast-3x128 lipschitz
+    python bench/taylor_scale.py --device cuda --host-linalg-max 0   # cuSOLVER baseline
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from lipvit.certify.network import network_bound
 from lipvit.certify.taylor import taylor_bound
 from torch.utils.flop_counter import FlopCounterMode
 
-from lipvit import ViT, preset
+from lipvit import ViT, preset, spectral
 
 PRESETS = ("digits-small", "fmnist-3x64", "fmnist-p7-3x128", "cifar-lofast-3x128",
            "cifar-lofast-6x384")
@@ -192,8 +197,11 @@ def main() -> None:
                                                    "BATCH"), help=argparse.SUPPRESS)
     parser.add_argument("--profile", nargs=2, metavar=("PRESET", "FAMILY"),
                         help="profile one taylor certificate instead")
+    parser.add_argument("--host-linalg-max", type=int, default=spectral.HOST_LINALG_MAX,
+                        help="CUDA: largest matrix side solved on the host (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    spectral.HOST_LINALG_MAX = args.host_linalg_max
     if args.profile:
         profile(*args.profile, args.device)
         return
@@ -204,7 +212,8 @@ def main() -> None:
         return
     cpu = platform.processor() or platform.machine()
     print(f"# taylor_scale, {date.today()}, {cpu}, {args.device}, "
-          f"{args.threads} thread(s), torch {torch.__version__}")
+          f"{args.threads} thread(s), torch {torch.__version__}"
+          + (f", host linalg ≤ {args.host_linalg_max}" if args.device != "cpu" else ""))
     print("| preset | family | n | N × D | batch | lofast s/sample | lofast peak GiB "
           "| taylor s/sample | taylor peak GiB | taylor work (forward passes) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -215,7 +224,8 @@ def main() -> None:
                 for method in ("lofast", "taylor"):
                     cmd = [sys.executable, __file__, "--one", name, family, method,
                            str(batch), "--device", args.device, "--threads",
-                           str(args.threads)] + (["--no-flops"] if args.no_flops
+                           str(args.threads), "--host-linalg-max",
+                           str(args.host_linalg_max)] + (["--no-flops"] if args.no_flops
                                                  or batch > 1 else [])
                     done = subprocess.run(cmd, capture_output=True, text=True)
                     if done.returncode:

@@ -25,12 +25,15 @@ ROUNDING = 1e-9
 
 
 def float64_model(model: nn.Module) -> nn.Module:
-    """A private float64 copy of ``model`` in eval mode (``model`` untouched).
+    """A private float64 copy of ``model`` in eval mode (``model`` untouched),
+    its parameters without gradients.
 
     Always a copy: the bounds built on it evaluate lazily (``delta_out(ε)``,
     ``margin_drop(ε)``), and a later change to ``model`` (more training,
-    ``.cuda()``) must not reach a bound computed before it."""
-    return copy.deepcopy(model).double().eval()
+    ``.cuda()``) must not reach a bound computed before it. No bound needs the
+    weights' gradients; without them the weights' dense problems of a CUDA
+    model run on the host (:data:`lipvit.spectral.HOST_LINALG_MAX`)."""
+    return copy.deepcopy(model).double().eval().requires_grad_(False)
 
 
 def margin(logits: Tensor, y: Tensor) -> Tensor:

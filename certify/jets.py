@@ -38,6 +38,8 @@ import torch
 from lipvit.certify.relaxations import gelu_grad
 from torch import Tensor
 
+from lipvit.spectral import eigh, eigvalsh
+
 Bounds = tuple[Tensor, Tensor | None]
 """``(r, s)``: bounds on a node's whole rest and on its own part ``s``
 (``None``: ``s = 0``, an affine operation)."""
@@ -93,7 +95,7 @@ def symmetric_norm(Q: Tensor) -> Tensor:
     margin so that it is an upper bound."""
     if Q.numel() == 0:
         return Q.new_zeros(Q.shape[:-2])
-    lam = torch.linalg.eigvalsh(Q.reshape(-1, *Q.shape[-2:]))
+    lam = eigvalsh(Q.reshape(-1, *Q.shape[-2:]))
     return lam.abs().amax(-1).reshape(Q.shape[:-2]) * (1 + 1e-12) + 1e-300
 
 
@@ -371,7 +373,7 @@ class QuadraticForm:
     (eq. 12.7). The eigendecomposition is computed once, here."""
 
     def __init__(self, g: Tensor, Q: Tensor):
-        lam, V = torch.linalg.eigh(Q)
+        lam, V = eigh(Q)
         top = lam.abs().amax(-1, keepdim=True)
         # float64 backward-error margin: lower eigenvalues only lower the bound
         self.lam = lam - 1e-12 * (top + 1)  # (*, n)

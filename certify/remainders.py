@@ -39,6 +39,8 @@ from lipvit.certify.lofast import (
 from lipvit.certify.structured import U, certified_lambda_max_small, gamma, up
 from torch import Tensor
 
+from lipvit.spectral import eigvalsh
+
 if TYPE_CHECKING:  # tangents imports this module's users
     from lipvit.certify.tangents import LogitVariance
 
@@ -371,7 +373,7 @@ def softmax_row_gains(P: Tensor, V: Tensor) -> Tensor:
         W = p[..., None] * (V[:, :, None] - PV[:, :, r:r + step, None])
         W = W.permute(0, 2, 1, 3, 4).flatten(2, 3)  # (B, c, H·N, D)
         G = W @ W.mT if H * N <= D else W.mT @ W
-        out.append(torch.linalg.eigvalsh(G)[..., -1].clamp_min(0).sqrt())  # (B, c)
+        out.append(eigvalsh(G)[..., -1].clamp_min(0).sqrt())  # (B, c)
     v_max = torch.linalg.vector_norm(V, dim=-1).amax((-2, -1))  # (B,)
     rounding = 8 * U * math.sqrt(H) * v_max
     return torch.cat(out, dim=-1) * (1 + 1e-10) + rounding[:, None]
@@ -410,7 +412,7 @@ def logit_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tenso
     Ds = _softmax_jacobians(P)  # (B, H, N, N, N)
     first = C.mT[:, :, None] @ Ds @ C[:, :, None]  # (B, H, N, r, r): Cᵀ Ds_a C
     if N * r > VARIANCE_EXACT_MAX:
-        c = torch.linalg.eigvalsh(Ds)[..., -1].amax(-1).clamp_min(0)  # (B, H)
+        c = eigvalsh(Ds)[..., -1].amax(-1).clamp_min(0)  # (B, H)
         lam1 = certified_lambda_max_small(first).amax(-1).clamp_min(0)
         lamE = certified_lambda_max_small(E.mT @ E).clamp_min(0)
         return up(lam1.sqrt() + up(c.sqrt() * lamE.sqrt()), 1e-10) ** 2
@@ -466,7 +468,7 @@ def logit_row_variance_gains(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
         S = (FC @ FC.mT + a[..., :, None] * Fd[..., None, :]
              + Fd[..., :, None] * a[..., None, :]
              + E.square().sum(-1)[..., None, None] * (F @ F.mT))  # (B, H, r, N, N)
-        lam_h = torch.linalg.eigvalsh(S)[..., -1].clamp_min(0).amax(-1) * (1 + 1e-10)
+        lam_h = eigvalsh(S)[..., -1].clamp_min(0).amax(-1) * (1 + 1e-10)
         return lam_h, lam_h.sum(-1)
     CE = torch.einsum("bhkD,bgrD->bhgrk", C, E)  # c^h_k·e^g_r
     a = torch.einsum("bhrkl,bhgrl->bhgrk", F, CE)  # F_{h,r} C_h e^g_r
@@ -475,8 +477,8 @@ def logit_row_variance_gains(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor
     S = (torch.einsum("bhrkD,bgrlD->brhkgl", FC, FC) + S2 + S2.permute(0, 1, 4, 5, 2, 3)
          + EE[:, :, :, None, :, None] * torch.einsum("bhrkm,bgrlm->brhkgl", F, F))
     heads = S.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # (B, r, H, N, N)
-    lam_h = torch.linalg.eigvalsh(heads)[..., -1].clamp_min(0).amax(1)  # (B, H)
-    lam = torch.linalg.eigvalsh(S.reshape(B, N, H * N, H * N))[..., -1]
+    lam_h = eigvalsh(heads)[..., -1].clamp_min(0).amax(1)  # (B, H)
+    lam = eigvalsh(S.reshape(B, N, H * N, H * N))[..., -1]
     return lam_h * (1 + 1e-10), lam.clamp_min(0).amax(-1) * (1 + 1e-10)
 
 

@@ -31,6 +31,8 @@ from lipvit.certify.attention import value_output
 from lipvit.certify.tangents import top_root
 from torch import Tensor
 
+from lipvit.spectral import spectral_norm
+
 WEIGHT_STEPS = 40
 """Descent steps on the weights (any weights give a sound bound; the steps
 only tighten it)."""
@@ -116,7 +118,7 @@ def initial_weights(f: SoftmaxFactors) -> tuple[Tensor, Tensor]:
     JJ = f.J @ f.J.transpose(-1, -2)  # (B, k, D, D)
     fn = torch.einsum("brhd,bkde,brhe->brk", f.b, JJ, f.b)  # Σ_h ‖J_kᵀ b_{hr}‖²
     lw = 0.125 * (gn.clamp_min(tiny).log() - fn.clamp_min(tiny).log())
-    q, j = (torch.linalg.matrix_norm(t, 2).clamp_min(tiny) for t in (f.Q, f.J))
+    q, j = (spectral_norm(t).clamp_min(tiny) for t in (f.Q, f.J))
     lv = 0.25 * (q.log() - j.log())
     return lw.clamp(-30, 30), lv.clamp(-30, 30)
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lipvit.spectral import seeded_start
+from lipvit.spectral import eigh, eigvalsh, seeded_start
 
 U = torch.finfo(torch.float64).eps / 2
 """Unit roundoff of float64."""
@@ -84,7 +84,7 @@ def certified_lambda_max_small(G: Tensor, tau0: float = 1e-13) -> Tensor:
     ``μI − G`` is :func:`certified_psd`; ``τ`` grows tenfold for the rest.
     Vectorised; the loop runs only while some entry is unproven.
     """
-    lam = torch.linalg.eigvalsh(G)[..., -1]
+    lam = eigvalsh(G)[..., -1]
     scale = lam.abs() + torch.linalg.matrix_norm(G)
     diag_max = G.diagonal(dim1=-2, dim2=-1).abs().amax(-1)
     eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
@@ -173,13 +173,13 @@ def subspace_lambda_bound(
     b2 = b2 + gamma(4) * (F_hi.abs() + 2 * s * tr_c_lo.abs() + s * s * m)
     beta = up(s + b2.clamp_min(0).sqrt())
     # Candidate λ from the (2k × 2k) matrix [[Θ, T], [T, βI]], T = (RᵀR)^{1/2}.
-    w, Q = torch.linalg.eigh(W)
+    w, Q = eigh(W)
     T = (Q * w.clamp_min(0).sqrt()[..., None, :]) @ Q.mT  # (B, k, k)
     M = torch.cat([torch.cat([Theta, T], -1),
                    torch.cat([T, torch.diag_embed(beta[:, None].expand(B, k))], -1)],
                   -2)  # (B, 2k, 2k)
-    lam_c = torch.linalg.eigvalsh(M)[..., -1]
-    ritz = torch.linalg.eigvalsh(Theta)[..., -1]
+    lam_c = eigvalsh(M)[..., -1]
+    ritz = eigvalsh(Theta)[..., -1]
     # Verification (§3.4): λ* > β and λ* I − Θ − W/(λ* − β) − (ε_Θ + ε_W/(λ*−β)) I ⪰ 0.
     upper = torch.full_like(lam_c, math.inf)
     todo = torch.ones_like(lam_c, dtype=torch.bool)

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from lipvit.errors import LipvitError
 from lipvit.model import ViT
+from lipvit.spectral import eigvalsh
 
 DEFAULT_MAX_MEMORY = 4 * 2**30
 """Default bytes held at once (4 GiB, or a sixth of the machine's memory when
@@ -93,7 +94,7 @@ def gram_norm(T: Tensor) -> Tensor:
 
 def top_root(gram: Tensor) -> Tensor:
     """``√λ_max`` of symmetric PSD matrices ``(..., k, k)``, rounded up."""
-    lam = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
+    lam = eigvalsh(gram)[..., -1].clamp_min(0)
     return (lam * (1 + 1e-12) + 1e-300).sqrt()
 
 

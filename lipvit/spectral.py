@@ -8,7 +8,8 @@ converges to ``σ_max(A)`` **from below**: it is an estimate, never a certified
 upper bound. ``spectral_norm`` is exact (dense SVD) and is what a certificate
 may use. ``eigvalsh_upper`` is ``λ_max`` of a Gram matrix plus a margin that
 covers the rounding of forming it and of the eigensolver (docs/math.md,
-"Rounding").
+"Rounding"). ``eigvalsh``, ``eigh`` and ``spectral_norm`` solve small dense
+problems of CUDA tensors on the host (:data:`HOST_LINALG_MAX`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,38 @@ def gamma(k: int) -> float:
     return ku / (1 - ku)
 
 
+HOST_LINALG_MAX = 1024
+"""Largest matrix side whose dense eigen- and singular-value problems of a CUDA
+tensor :func:`eigvalsh`, :func:`eigh` and :func:`spectral_norm` solve on the
+host (LAPACK, one copy each way) where no gradient is needed: cuSOLVER reads
+back a status per matrix of a batch, thousands of host synchronisations per
+certificate (docs/results.md, "On a GPU"). ``0`` keeps every problem on the
+device (``bench/taylor_scale.py --host-linalg-max 0`` compares)."""
+
+
+def _host(A: Tensor) -> bool:
+    """Whether :func:`eigvalsh`-like routines solve ``A`` on the host."""
+    return (A.is_cuda and max(A.shape[-2:]) <= HOST_LINALG_MAX
+            and not (A.requires_grad and torch.is_grad_enabled()))
+
+
+def eigvalsh(G: Tensor) -> Tensor:
+    """``torch.linalg.eigvalsh`` (ascending eigenvalues of symmetric ``G``
+    ``(..., n, n)``), on the host for a small CUDA tensor (:data:`HOST_LINALG_MAX`)."""
+    if _host(G):
+        return torch.linalg.eigvalsh(G.cpu()).to(G.device)
+    return torch.linalg.eigvalsh(G)
+
+
+def eigh(G: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of symmetric ``G`` ``(..., n, n)``, on the host for a
+    small CUDA tensor (:data:`HOST_LINALG_MAX`)."""
+    if _host(G):
+        lam, V = torch.linalg.eigh(G.cpu())
+        return lam.to(G.device), V.to(G.device)
+    return torch.linalg.eigh(G)
+
+
 def eigvalsh_upper(G: Tensor, scale: Tensor | float, inner: int) -> Tensor:
     """Upper bound of ``λ_max`` of the exact Gram matrix that ``G`` rounds, ``(...)``.
 
@@ -165,7 +198,7 @@ def eigvalsh_upper(G: Tensor, scale: Tensor | float, inner: int) -> Tensor:
     bound** (docs/math.md, "Rounding"). ``scale`` is a scalar or ``(...)``.
     """
     n = G.shape[-1]
-    lam = torch.linalg.eigvalsh(G)[..., -1].clamp_min(0)
+    lam = eigvalsh(G)[..., -1].clamp_min(0)
     margin = gamma(inner + 2) * torch.as_tensor(scale, dtype=G.dtype, device=G.device)
     margin = margin + gamma(8 * n) * torch.linalg.matrix_norm(G)  # Frobenius
     return lam + margin
@@ -174,7 +207,11 @@ def eigvalsh_upper(G: Tensor, scale: Tensor | float, inner: int) -> Tensor:
 def spectral_norm(W: Tensor) -> Tensor:
     """Exact largest singular value per matrix of ``W``: ``(..., m, n)`` → ``(...)``.
 
-    Dense SVD through ``torch.linalg.matrix_norm(ord=2)``; differentiable. This
-    is the value a certificate may use (float rounding aside).
+    Dense SVD through ``torch.linalg.matrix_norm(ord=2)``; differentiable
+    (where a gradient is needed it stays on the device; else a small CUDA
+    tensor's runs on the host, :data:`HOST_LINALG_MAX`). This is the value a
+    certificate may use (float rounding aside).
     """
+    if _host(W):
+        return torch.linalg.matrix_norm(W.cpu(), ord=2).to(W.device)
     return torch.linalg.matrix_norm(W, ord=2)

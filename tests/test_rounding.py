@@ -20,6 +20,7 @@ from lipvit.certify.lofast import (
     zeta_cls,
 )
 
+from lipvit import spectral
 from lipvit.spectral import eigvalsh_upper
 
 DT = torch.float64
@@ -94,3 +95,24 @@ def test_layer_project_identity_holds_in_exact_arithmetic():
             outside = exact + mpmath.mpf(eps) > R
         wrong += bool(layer_project_is_identity(x, R, eps)) and outside
     assert wrong == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("host_max", [0, 1024])
+def test_small_cuda_problems_on_either_side_agree_with_the_cpu(monkeypatch, host_max):
+    # HOST_LINALG_MAX routes small CUDA eigenproblems to LAPACK; 0 keeps them on
+    # cuSOLVER. Either way the results come back on the device, equal to the CPU's
+    # to rounding, and a gradient still flows through spectral_norm.
+    monkeypatch.setattr(spectral, "HOST_LINALG_MAX", host_max)
+    gen = torch.Generator().manual_seed(3)
+    K = torch.randn(5, 40, 30, generator=gen, dtype=torch.float64)
+    G = K.mT @ K
+    eigh_values = lambda A: spectral.eigh(A)[0]  # noqa: E731
+    for fn in (spectral.eigvalsh, eigh_values, spectral.spectral_norm):
+        out = fn(G.cuda())
+        assert out.device.type == "cuda"
+        assert torch.allclose(out.cpu(), fn(G), rtol=1e-10)
+    W = K.cuda().requires_grad_()
+    spectral.spectral_norm(W).sum().backward()
+    assert W.grad is not None and W.grad.device.type == "cuda"
