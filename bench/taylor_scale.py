@@ -21,7 +21,8 @@ bounds of the whole image-Jacobian norms (docs/taylor.md §11) over the exact
 norms, for the presets whose exact norms are affordable and ``--ckpt``.
 ``--profile PRESET FAMILY``: where one ``taylor`` certificate's time goes
 (``torch.profiler``, after a warm-up run): the operators by self time and the
-count of host synchronisations (values read back to the host).
+count of host synchronisations (values read back to the host); then lipvit's
+functions by cumulative time (``cProfile``, one more certificate).
 ``--host-linalg-max K``: on CUDA, the largest matrix side whose dense eigen-
 and singular-value problems run on the host
 (:data:`lipvit.spectral.HOST_LINALG_MAX`; ``0``: all on the device, the
@@ -41,8 +42,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import resource
 import subprocess
 import sys
@@ -143,6 +146,11 @@ def profile(name: str, family: str, device: str, rows: int = 20) -> None:
     print(f"# profile: {name} {family}, {device}, {seconds:.2f} s under the profiler; "
           f"host synchronisations: {counts}")
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+    by_function = cProfile.Profile()  # one more certificate: lipvit's own functions
+    by_function.runcall(lambda: taylor_bound(model, x, y).margin_drop(0.01))
+    print("# lipvit functions by cumulative time (cProfile, one more certificate)")
+    pstats.Stats(by_function).sort_stats("cumulative").print_stats(
+        r"lipvit|certify/", 2 * rows)
 
 
 def tightness(model, x, label: str) -> str:

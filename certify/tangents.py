@@ -150,19 +150,31 @@ def min_memory(model: ViT) -> int:
     return fixed + _sizes(model)[-1] * held + work
 
 
+def jets_fit(model: ViT, max_memory: int | None) -> bool:
+    """Whether ``taylor`` builds the margins' second-order Taylor models: the
+    model is one :func:`lipvit.certify.jet_vit.supports` and one sample's
+    (:func:`~lipvit.certify.jet_vit.jet_bytes`, an estimate from above) fits in
+    ``max_memory`` bytes (default :func:`default_max_memory`) beside
+    :func:`min_memory`. Where it does not, the certificate is the one without
+    them (docs/taylor.md §12): the budget holds, the radii are smaller."""
+    budget = default_max_memory() if max_memory is None else max_memory
+    return (jet_vit.supports(model)
+            and jet_vit.jet_bytes(model) <= budget - min_memory(model))
+
+
 def taylor_batch(model: ViT, max_memory: int | None) -> int:
     """Samples per :func:`lipvit.certify.taylor.taylor_bound` call within
     ``max_memory`` bytes: each sample keeps one autograd graph of the forward
     pass per class (the margins' gradients, back-substituted at every ε) and
     its symbols' accumulators, and its second-order Taylor model
-    (:func:`lipvit.certify.jet_vit.jet_bytes`) where one is built, beside
-    :func:`min_memory` for its tangents."""
+    (:func:`lipvit.certify.jet_vit.jet_bytes`) where one is built
+    (:func:`jets_fit`), beside :func:`min_memory` for its tangents."""
     cfg = model.config
     N, D, H, m, K, _ = _sizes(model)
     graph = 8 * K * N * (8 * D + 4 * m + 3 * H * N)  # one forward pass, kept
     carried = 8 * (2 * (2 * K + 1) * N * D + 2 * K * N * D + 2 * K * N * m)
     per_sample = cfg.num_classes * graph + carried
-    if jet_vit.supports(model):
+    if jets_fit(model, max_memory):
         per_sample += jet_vit.jet_bytes(model)
     budget = default_max_memory() if max_memory is None else max_memory
     return max(1, (budget - min_memory(model)) // per_sample)

@@ -106,6 +106,7 @@ from lipvit.certify.symbols import (
     propagate,
     propagate_radial,
 )
+from lipvit.certify.tangents import jets_fit
 from torch import Tensor
 
 from lipvit.layers import LayerProject
@@ -700,7 +701,9 @@ def taylor_bound(
     dimension).
     ``max_memory``: bytes of tangents held at once by the Jacobian norms
     (:func:`lipvit.certify.tangents.plan`; default
-    :func:`~lipvit.certify.tangents.default_max_memory`).
+    :func:`~lipvit.certify.tangents.default_max_memory`); the second-order
+    Taylor models are built only where they fit in it
+    (:func:`~lipvit.certify.tangents.jets_fit`).
 
     Raises:
         UnsupportedModelError: a layer the method cannot bound (one-line reason).
@@ -736,7 +739,7 @@ def taylor_bound(
         blocks = [make(model, k, clean, t, jn, exact) for k, t in enumerate(terms)]
         # The margins' second-order Taylor models (§12), where they apply:
         # built at the first remainder query (walks and functionals need none).
-        with_jets, jet = jet_vit.supports(model), []
+        with_jets, jet = jets_fit(model, max_memory), []
         final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
         # Blocks whose Frobenius norm1 projects some sample (§3, direction-aware).
         frobenius = [k for k, block in enumerate(model.blocks)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from lipvit.analysis.pgd import pgd_margin_drop, pgd_taylor_rest
 from lipvit.certify import jet_vit, jets
+from lipvit.certify.tangents import jets_fit, min_memory
 from lipvit.certify.taylor import taylor_bound
 from torch.func import jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -294,3 +295,38 @@ def test_supports_and_memory_estimate():
     x = torch.rand(1, 8, 8, dtype=F64)
     jm = jet_vit.JetMargins(model, x, 0)
     assert 0 < jm.back.nbytes() <= jet_vit.jet_bytes(model)
+
+
+def test_jets_are_built_only_within_the_memory_budget():
+    """``--max-memory`` holds for the second-order models too: where one
+    sample's (``jet_bytes`` beside the tangents' ``min_memory``) does not fit,
+    ``taylor`` builds none and certifies without them (smaller, still sound)."""
+    model = nonlinear_model("standard", 0)
+    x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    need = jet_vit.jet_bytes(model) + min_memory(model)
+    assert jets_fit(model, need) and jets_fit(model, None)
+    assert not jets_fit(model, need - 1)
+    e = torch.full((2,), 0.05, dtype=F64)
+    within = taylor_bound(model, x, y, max_memory=need)
+    below = taylor_bound(model, x, y, max_memory=need - 1)
+    assert "jet" in within.remainders(e) and "jet" not in below.remainders(e)
+    assert torch.equal(within.grad_norm, below.grad_norm)
+    assert (within.radius() >= below.radius() * (1 - 2e-3)).all()
+
+
+def test_cli_says_when_the_jets_do_not_fit(trained_ckpts):
+    from click.testing import CliRunner
+
+    from lipvit.cli import main
+
+    ckpt = str(trained_ckpts["standard"])
+    args = ["certify", "--ckpt", ckpt, "--eps", "0.001", "--n", "2",
+            "--method", "taylor"]
+    small = CliRunner().invoke(main, [*args, "--max-memory", "20M"])
+    assert small.exit_code == 0, small.output
+    (note,) = [ln for ln in small.output.splitlines() if ln.startswith("note:")]
+    assert "without its second-order models" in note and "--max-memory" in note
+    default = CliRunner().invoke(main, args)
+    assert default.exit_code == 0 and "note:" not in default.output

@@ -19,9 +19,10 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
+from lipvit.certify.jet_vit import jet_bytes, supports
 from lipvit.certify.network import check_dot_attention
 from lipvit.certify.sites import EXACT_GRAM_MAX, check_supported
-from lipvit.certify.tangents import parse_memory, plan
+from lipvit.certify.tangents import jets_fit, min_memory, parse_memory, plan
 from lipvit.commands import _common as C
 from lipvit.distributed import (
     barrier,
@@ -159,8 +160,9 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
     "--max-memory",
     "max_memory_text",
     default=None,
-    help="memory taylor may hold for its tangents and samples, e.g. 512M, 4G "
-         "[default: 4G, or a sixth of the machine's memory if less]",
+    help="memory taylor may hold for its tangents, samples and second-order "
+         "models, e.g. 512M, 4G [default: 4G, or a sixth of the machine's memory "
+         "if less]",
 )
 @click.option(
     "--max-symbols",
@@ -240,6 +242,10 @@ def certify(
     if taylor:
         check_supported(model)
         plan(model, EXACT_GRAM_MAX, max_memory)  # refuses a too small budget now
+        if ranks.rank == 0 and supports(model) and not jets_fit(model, max_memory):
+            need = (jet_bytes(model) + min_memory(model)) / 2**30
+            click.echo(f"note: taylor without its second-order models: they need "
+                       f"{need:.1f} GiB per sample (--max-memory)", err=True)
     # Only a named --radius pays for taylor's radius search.
     radii = radius or not taylor
     stronger = None if taylor or taylor_unsupported(model) else "taylor"
