@@ -3,9 +3,10 @@
 # has torch but not lipvit (nothing is fetched: lipvit installs from this tree,
 # without dependencies; torchattacks and auto_LiRPA, pure Python, come from
 # SITE if given). Each step has its own time limit so that one slow step does
-# not eat the others' (sized from the H100 runs of 2026-11-26; about 9 minutes
-# in all with the machine's start). Writes its logs to OUT (default:
-# ./device-out).
+# not eat the others' (sized from the H100 runs of 2026-11-26 and -27: the
+# whole script ran 360 s there, the cuSOLVER baseline's 3×128 standard row
+# alone about 40 s; about 8 minutes in all with the machine's start). Writes
+# its logs to OUT (default: ./device-out).
 #
 #     SITE=path/to/site-packages-copy OUT=out bash bench/device_checks.sh [CKPT DATA_DIR]
 #
@@ -24,7 +25,7 @@ timeout 90 python3 -m pytest -m gpu -p no:cacheprovider -rs -o addopts="" -q \
     tests/test_lofast.py tests/test_structured.py tests/test_tangents.py \
     tests/test_jets.py tests/test_rounding.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
 for K in 1024 0; do
-    timeout 100 python3 bench/taylor_scale.py --device cuda --no-flops --host-linalg-max $K \
+    timeout 150 python3 bench/taylor_scale.py --device cuda --no-flops --host-linalg-max $K \
         --presets fmnist-3x64 cifar-lofast-3x128 2>&1 | tee "$OUT/taylor_scale_host$K.md"
 done
 if [ $# -ge 2 ]; then

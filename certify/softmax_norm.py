@@ -85,38 +85,37 @@ def softmax_factors(Y: Tensor, W_q: Tensor, W_k: Tensor, W_v: Tensor, W_o: Tenso
 
 
 def weighted_norm(f: SoftmaxFactors, lw: Tensor, lv: Tensor) -> Tensor:
-    """Upper bound ``(B,)`` on ``‖S J_N‖`` for the weights ``w_{rk} = e^{lw_{rk}}``
-    ``(B, N, N)`` and ``v_r = e^{lv_r}`` ``(B, N)``, any real ``lw``, ``lv``.
+    """Upper bound ``(B,)`` on ``‖S J_N‖`` for the weights ``w_{hrk} =
+    e^{lw_{hrk}}`` (``lw`` ``(B, r, H, k)``) and ``v_r = e^{lv_r}`` ``(B, N)``,
+    any real ``lw``, ``lv``.
 
-    The intermediate vector ``ξ = ((w_{rk}⟨b_{hr}, Γ'_k⟩)_{h,r,k}, (v_r
-    Γ'_r)_r)`` has ``‖ξ‖² = Σ_k Γ_kᵀ F_k Γ_k``, ``F_k = J_kᵀ(Σ_r w_{rk}²
-    Σ_h b_{hr}b_{hr}ᵀ + v_k² I)J_k``, and output row ``r`` is ``G̃_r ξ_r``
+    The intermediate vector ``ξ = ((w_{hrk}⟨b_{hr}, Γ'_k⟩)_{h,r,k}, (v_r
+    Γ'_r)_r)`` has ``‖ξ‖² = Σ_k Γ_kᵀ F_k Γ_k``, ``F_k = J_kᵀ(Σ_{h,r} w_{hrk}²
+    b_{hr}b_{hr}ᵀ + v_k² I)J_k``, and output row ``r`` is ``G̃_r ξ_r``
     (``ξ_r`` the entries indexed by ``r``; ``G̃_r`` the columns
-    ``g_{hrk}/w_{rk}`` and ``Q_r/v_r``), so
+    ``g_{hrk}/w_{hrk}`` and ``Q_r/v_r``), so
 
         ‖S J_N‖ ≤ (max_k λ_max(F_k) · max_r λ_max(G_r))^½,
-        G_r = Σ_{h,k} w_{rk}⁻² g_{hrk} g_{hrk}ᵀ + v_r⁻² Q_r Q_rᵀ.
+        G_r = Σ_{h,k} w_{hrk}⁻² g_{hrk} g_{hrk}ᵀ + v_r⁻² Q_r Q_rᵀ.
     """
     w2, v2 = (2 * lw).exp(), (2 * lv).exp()
     B, N, H, _, D = f.g.shape
     Jt = f.J.transpose(-1, -2)
-    bb = (f.b.transpose(-1, -2) @ f.b).reshape(B, N, D * D)  # Σ_h b_{hr}b_{hr}ᵀ
-    inner = (w2.transpose(1, 2) @ bb).reshape(B, N, D, D)  # (B, k, D, D)
+    bb = (f.b[..., :, None] * f.b[..., None, :]).reshape(B, N * H, D * D)  # b bᵀ
+    inner = (w2.reshape(B, N * H, N).transpose(1, 2) @ bb).reshape(B, N, D, D)
     F = Jt @ inner @ f.J + v2[..., None, None] * (Jt @ f.J)
-    g = f.g.reshape(B, N, H * N, D)  # (B, r, (h, k), D)
-    scale = (-lw).exp()[:, :, None, :, None].expand(B, N, H, N, 1)  # 1/w_{rk}
-    g_w = g * scale.reshape(B, N, H * N, 1)
+    g_w = (f.g * (-lw).exp()[..., None]).reshape(B, N, H * N, D)  # g_{hrk}/w_{hrk}
     G = g_w.transpose(-1, -2) @ g_w + f.Q @ f.Q.transpose(-1, -2) / v2[..., None, None]
     return top_root(F).amax(-1) * top_root(G).amax(-1) * (1 + _SLACK)
 
 
 def initial_weights(f: SoftmaxFactors) -> tuple[Tensor, Tensor]:
-    """``lw``, ``lv`` balancing each pair's Frobenius norms: ``w_{rk}² =
-    (‖g_{·rk}‖/‖J_kᵀ b_{·r}‖)^½``, ``v_r² = (‖Q_r‖/‖J_r‖)^½``."""
+    """``lw`` ``(B, r, H, k)``, ``lv`` balancing each pair's norms: ``w_{hrk}⁴ =
+    ‖g_{hrk}‖/‖J_kᵀ b_{hr}‖``, ``v_r⁴ = ‖Q_r‖/‖J_r‖``."""
     tiny = torch.finfo(f.g.dtype).tiny
-    gn = f.g.square().sum((2, -1))  # (B, r, k)
+    gn = f.g.square().sum(-1)  # (B, r, H, k)
     JJ = f.J @ f.J.transpose(-1, -2)  # (B, k, D, D)
-    fn = torch.einsum("brhd,bkde,brhe->brk", f.b, JJ, f.b)  # Σ_h ‖J_kᵀ b_{hr}‖²
+    fn = torch.einsum("brhd,bkde,brhe->brhk", f.b, JJ, f.b)  # ‖J_kᵀ b_{hr}‖²
     lw = 0.125 * (gn.clamp_min(tiny).log() - fn.clamp_min(tiny).log())
     q, j = (spectral_norm(t).clamp_min(tiny) for t in (f.Q, f.J))
     lv = 0.25 * (q.log() - j.log())
@@ -129,9 +128,10 @@ def descend(f: SoftmaxFactors, lw: Tensor, lv: Tensor,
 
     Adam on ``τ lse_k(log λ_k^F/τ) + τ lse_r(log λ_r^G/τ)`` (the log of the
     bound with its maxima smoothed), the gradients by Hellmann–Feynman from
-    warm-started power iterations, matrix-free: ``∂λ_k^F/∂lw_{rk} = 2w_{rk}²
-    Σ_h ⟨b_{hr}, J_k x_k⟩²``, ``∂λ_r^G/∂lw_{rk} = −2w_{rk}⁻² Σ_h ⟨g_{hrk},
-    y_r⟩²`` (``x_k``, ``y_r`` the top eigenvectors of ``F_k``, ``G_r``).
+    warm-started power iterations, matrix-free: ``∂λ_k^F/∂lw_{hrk} =
+    2w_{hrk}² ⟨b_{hr}, J_k x_k⟩²``, ``∂λ_r^G/∂lw_{hrk} = −2w_{hrk}⁻²
+    ⟨g_{hrk}, y_r⟩²`` (``x_k``, ``y_r`` the top eigenvectors of ``F_k``,
+    ``G_r``).
     """
     B, N, D = f.Q.shape[:3]
     lw, lv = lw.clone().requires_grad_(), lv.clone().requires_grad_()
@@ -144,11 +144,11 @@ def descend(f: SoftmaxFactors, lw: Tensor, lv: Tensor,
             w2, w_2, v2 = (2 * lw).exp(), (-2 * lw).exp(), (2 * lv).exp()
             x, lam_F, y, lam_G = _power(f, w2, w_2, v2, x, y)
             Jx = (f.J @ x[..., None])[..., 0]  # (B, k, D)
-            dF = 2 * w2 * _key_dots(f, Jx).square().sum(2)  # (B, r, k)
-            dG = 2 * w_2 * _row_dots(f, y).square().sum(2)
+            dF = 2 * w2 * _key_dots(f, Jx).square()  # (B, r, H, k)
+            dG = 2 * w_2 * _row_dots(f, y).square()
             pF = torch.softmax(lam_F.log() / _TEMPERATURE, -1) / lam_F  # (B, k)
             pG = torch.softmax(lam_G.log() / _TEMPERATURE, -1) / lam_G  # (B, r)
-            lw.grad = pF[:, None, :] * dF - pG[..., None] * dG
+            lw.grad = pF[:, None, None, :] * dF - pG[..., None, None] * dG
             Jx2 = Jx.square().sum(-1)  # ‖J_k x_k‖²
             Qy2 = (f.Q.transpose(-1, -2) @ y[..., None])[..., 0].square().sum(-1)
             lv.grad = 2 * (pF * v2 * Jx2 - pG * Qy2 / v2)
@@ -167,12 +167,12 @@ def _power(f: SoftmaxFactors, w2: Tensor, w_2: Tensor, v2: Tensor, x: Tensor,
     Jt, Qt = f.J.transpose(-1, -2), f.Q.transpose(-1, -2)
     for _ in range(_POWER):
         Jx = (f.J @ x[..., None])[..., 0]  # (B, k, D)
-        s = (_key_dots(f, Jx) * w2[:, :, None]).reshape(B, N * H, N)
+        s = (_key_dots(f, Jx) * w2).reshape(B, N * H, N)
         Fx = (Jt @ (s.transpose(1, 2) @ f.b.reshape(B, N * H, D)
                     + v2[..., None] * Jx)[..., None])[..., 0]
         lam_F = (Fx * x).sum(-1).clamp_min(tiny)
         x = Fx / _norm(Fx, tiny)
-        t = (_row_dots(f, y) * w_2[:, :, None]).reshape(B, N, 1, H * N)
+        t = (_row_dots(f, y) * w_2).reshape(B, N, 1, H * N)
         Gy = ((t @ f.g.reshape(B, N, H * N, D))[:, :, 0]
               + (f.Q @ (Qt @ y[..., None]))[..., 0] / v2[..., None])
         lam_G = (Gy * y).sum(-1).clamp_min(tiny)

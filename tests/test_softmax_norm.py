@@ -72,11 +72,11 @@ def test_weighted_norm_bounds_the_dense_softmax_path_for_any_weights(family, kw,
     the initial ones and the descended ones."""
     gen = torch.Generator().manual_seed(seed)
     for f, exact, _ in _blocks(family, dict(kw), seed):
-        B, N = f.Q.shape[:2]
+        B, N, H = f.g.shape[:3]
         lw0, lv0 = initial_weights(f)
         choices = [(lw0, lv0), descend(f, lw0, lv0, 20),
-                   (torch.zeros(B, N, N, dtype=F64), torch.zeros(B, N, dtype=F64))]
-        choices += [(3 * torch.randn(B, N, N, dtype=F64, generator=gen),
+                   (torch.zeros(B, N, H, N, dtype=F64), torch.zeros(B, N, dtype=F64))]
+        choices += [(3 * torch.randn(B, N, H, N, dtype=F64, generator=gen),
                      3 * torch.randn(B, N, dtype=F64, generator=gen)) for _ in range(3)]
         for lw, lv in choices:
             bound = weighted_norm(f, lw, lv)
