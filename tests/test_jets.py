@@ -322,7 +322,7 @@ def test_cli_says_when_the_jets_do_not_fit(trained_ckpts):
     from lipvit.cli import main
 
     ckpt = str(trained_ckpts["standard"])
-    args = ["certify", "--ckpt", ckpt, "--eps", "0.001", "--n", "2",
+    args = ["certify", "--ckpt", ckpt, "--eps", "0.001", "--n", "1",
             "--method", "taylor"]
     small = CliRunner().invoke(main, [*args, "--max-memory", "20M"])
     assert small.exit_code == 0, small.output
