@@ -101,8 +101,9 @@ def weighted_norm(f: SoftmaxFactors, lw: Tensor, lv: Tensor) -> Tensor:
     w2, v2 = (2 * lw).exp(), (2 * lv).exp()
     B, N, H, _, D = f.g.shape
     Jt = f.J.transpose(-1, -2)
-    bb = (f.b[..., :, None] * f.b[..., None, :]).reshape(B, N * H, D * D)  # b bᵀ
-    inner = (w2.reshape(B, N * H, N).transpose(1, 2) @ bb).reshape(B, N, D, D)
+    b = f.b.reshape(B, 1, N * H, D)  # rows (r, h)
+    wb = w2.reshape(B, N * H, N).transpose(1, 2)[..., None] * b  # (B, k, (r, h), D)
+    inner = wb.transpose(-1, -2) @ b  # (B, k, D, D): Σ_{h,r} w_{hrk}² b_{hr}b_{hr}ᵀ
     F = Jt @ inner @ f.J + v2[..., None, None] * (Jt @ f.J)
     g_w = (f.g * (-lw).exp()[..., None]).reshape(B, N, H * N, D)  # g_{hrk}/w_{hrk}
     G = g_w.transpose(-1, -2) @ g_w + f.Q @ f.Q.transpose(-1, -2) / v2[..., None, None]
