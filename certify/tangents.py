@@ -67,6 +67,11 @@ def default_max_memory() -> int:
     return min(DEFAULT_MAX_MEMORY, total // 6)
 
 
+def memory_budget(max_memory: int | None) -> int:
+    """``max_memory`` bytes, or :func:`default_max_memory` where ``None``."""
+    return default_max_memory() if max_memory is None else max_memory
+
+
 def parse_memory(text: str) -> int:
     """``"512M"``, ``"2G"``, ``"2GiB"`` or a byte count → bytes; a one-line
     error otherwise."""
@@ -125,7 +130,7 @@ def plan(model: ViT, exact_max: int, max_memory: int | None) -> Plan:
     Raises:
         MemoryBudgetError: one line, before any work.
     """
-    budget = default_max_memory() if max_memory is None else max_memory
+    budget = memory_budget(max_memory)
     fixed, held, work, logit = _bytes(model)
     need = min_memory(model)
     if need > budget:
@@ -150,16 +155,20 @@ def min_memory(model: ViT) -> int:
     return fixed + _sizes(model)[-1] * held + work
 
 
+def jets_need(model: ViT) -> int:
+    """Bytes of the smallest budget that holds one sample's second-order
+    Taylor models (:func:`~lipvit.certify.jet_vit.jet_bytes`, an estimate from
+    above) beside :func:`min_memory`."""
+    return jet_vit.jet_bytes(model) + min_memory(model)
+
+
 def jets_fit(model: ViT, max_memory: int | None) -> bool:
     """Whether ``taylor`` builds the margins' second-order Taylor models: the
-    model is one :func:`lipvit.certify.jet_vit.supports` and one sample's
-    (:func:`~lipvit.certify.jet_vit.jet_bytes`, an estimate from above) fits in
-    ``max_memory`` bytes (default :func:`default_max_memory`) beside
-    :func:`min_memory`. Where it does not, the certificate is the one without
-    them (docs/taylor.md §12): the budget holds, the radii are smaller."""
-    budget = default_max_memory() if max_memory is None else max_memory
-    return (jet_vit.supports(model)
-            and jet_vit.jet_bytes(model) <= budget - min_memory(model))
+    model is one :func:`lipvit.certify.jet_vit.supports` and :func:`jets_need`
+    is within ``max_memory`` bytes (default :func:`default_max_memory`). Where
+    it is not, the certificate is the one without them (docs/taylor.md §12):
+    the budget holds, the radii are smaller."""
+    return jet_vit.supports(model) and jets_need(model) <= memory_budget(max_memory)
 
 
 def taylor_batch(model: ViT, max_memory: int | None) -> int:
@@ -176,7 +185,7 @@ def taylor_batch(model: ViT, max_memory: int | None) -> int:
     per_sample = cfg.num_classes * graph + carried
     if jets_fit(model, max_memory):
         per_sample += jet_vit.jet_bytes(model)
-    budget = default_max_memory() if max_memory is None else max_memory
+    budget = memory_budget(max_memory)
     return max(1, (budget - min_memory(model)) // per_sample)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lipvit.analysis.pgd import pgd_margin_drop, pgd_taylor_rest
 from lipvit.certify import jet_vit, jets
-from lipvit.certify.tangents import jets_fit, min_memory
+from lipvit.certify.tangents import jets_fit, jets_need, min_memory
 from lipvit.certify.taylor import taylor_bound
 from torch.func import jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -305,7 +305,8 @@ def test_jets_are_built_only_within_the_memory_budget():
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
     with torch.no_grad():
         y = model(x).argmax(1)
-    need = jet_vit.jet_bytes(model) + min_memory(model)
+    need = jets_need(model)
+    assert need == jet_vit.jet_bytes(model) + min_memory(model)
     assert jets_fit(model, need) and jets_fit(model, None)
     assert not jets_fit(model, need - 1)
     e = torch.full((2,), 0.05, dtype=F64)

@@ -19,10 +19,10 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
-from lipvit.certify.jet_vit import jet_bytes, supports
+from lipvit.certify.jet_vit import supports
 from lipvit.certify.network import check_dot_attention
 from lipvit.certify.sites import EXACT_GRAM_MAX, check_supported
-from lipvit.certify.tangents import jets_fit, min_memory, parse_memory, plan
+from lipvit.certify.tangents import jets_fit, jets_need, parse_memory, plan
 from lipvit.commands import _common as C
 from lipvit.distributed import (
     barrier,
@@ -243,9 +243,9 @@ def certify(
         check_supported(model)
         plan(model, EXACT_GRAM_MAX, max_memory)  # refuses a too small budget now
         if ranks.rank == 0 and supports(model) and not jets_fit(model, max_memory):
-            need = (jet_bytes(model) + min_memory(model)) / 2**30
             click.echo(f"note: taylor without its second-order models: they need "
-                       f"{need:.1f} GiB per sample (--max-memory)", err=True)
+                       f"{jets_need(model) / 2**30:.1f} GiB per sample (--max-memory)",
+                       err=True)
     # Only a named --radius pays for taylor's radius search.
     radii = radius or not taylor
     stronger = None if taylor or taylor_unsupported(model) else "taylor"
