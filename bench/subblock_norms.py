@@ -12,6 +12,14 @@ recursion uses for large models), and the exact norm that
 standard model also the next block's LayerNorm composed with the feed-forward
 sub-block, exact (``SubBlockNorms.into``) against the product of the norms.
 
+With ``--paths``, the two paths the structured bound adds (the triangle
+inequality), each against its own exact norm from dense Jacobians (one
+``(N·D) × (N·D)`` matrix per point and block): the residual value path ``‖I +
+K J_N‖`` (attention matrices held at the clean point) and the softmax path
+``‖S J_N‖``, and the sum of the two exact norms over the exact sub-block norm:
+the least any bound of the form (value path's bound + softmax path's bound)
+can be.
+
 With ``--radii``, also ``taylor``'s radius of each correctly classified point
 as the certificate computes it and with the exact norms at every size (the
 dense mode's size limit :data:`lipvit.certify.sites.EXACT_MAX` lifted): what
@@ -19,7 +27,7 @@ the structured bounds cost in radius, and the time of each.
 
 Usage::
 
-    python bench/subblock_norms.py --ckpt msvp.pt --n 20 [--radii]
+    python bench/subblock_norms.py --ckpt msvp.pt --n 20 [--radii] [--paths]
 """
 
 from __future__ import annotations
@@ -30,14 +38,16 @@ import time
 import torch
 from _points import float64_points
 from lipvit.certify import sites
+from lipvit.certify.attention import bound_weights, value_output
 from lipvit.certify.local import (
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
 )
+from lipvit.certify.lofast import LoFASTTerms
 from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward, subblock_norms
-from lipvit.certify.subblock import subblock_bound, with_softmax_gains
+from lipvit.certify.subblock import subblock_bound, subblock_parts, with_softmax_gains
 from lipvit.certify.taylor import taylor_bound
 
 
@@ -50,10 +60,13 @@ def main() -> None:
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument("--radii", action="store_true")
+    parser.add_argument("--paths", action="store_true")
     args = parser.parse_args()
     model, x, y, _ = float64_points(args.ckpt, args.n)
     if args.radii:
         radii(model, x, y)
+    if args.paths:
+        paths(model, x)
     with torch.no_grad():
         clean = forward(model, x)[1]
         exact = subblock_norms(model, clean, max_size=x[0].numel() * 10**6)
@@ -84,6 +97,44 @@ def main() -> None:
                                             nxt.norm1.eps, zero)
             print(f"| {k} | {_range(exact.into[k].amax(-1))} "
                   f"| {_range(L_N * exact.mlp[:, k].amax(-1))} |")
+
+
+def paths(model, x: torch.Tensor) -> None:
+    """The value and softmax paths' bounds against their exact norms, dense."""
+    with torch.no_grad():
+        clean = forward(model, x)[1]
+        terms = network_bound(model, x, "lofast").attention_terms
+    print("| block | value bound / exact | softmax bound / exact "
+          "| exact value + exact softmax, over exact | bound / exact |")
+    print("|---|---|---|---|---|")
+    for k, block in enumerate(model.blocks):
+        X = clean.stream[2 * k]
+        with torch.no_grad():
+            bound = subblock_parts(block, X, with_softmax_gains(
+                block, clean.attn_in[k], terms[k]))
+        exact = torch.stack([_exact_paths(block, X[i], terms[k], i)
+                             for i in range(len(x))], 1)  # (3, B)
+        print(f"| {k} | {_range(bound.value / exact[0])} "
+              f"| {_range(bound.softmax / exact[1])} "
+              f"| {_range((exact[0] + exact[1]) / exact[2])} "
+              f"| {_range((bound.value + bound.softmax) / exact[2])} |")
+
+
+def _exact_paths(block, X: torch.Tensor, terms: LoFASTTerms, i: int) -> torch.Tensor:
+    """Exact ``‖I + K J_N‖``, ``‖S J_N‖`` and ``‖I + J_a J_N‖`` of sample ``i``
+    (``X`` its ``(N, D)`` block input) from dense Jacobians."""
+    N, D = X.shape
+    jac = torch.autograd.functional.jacobian
+    J_N = jac(lambda s: block.norm1(s[None])[0], X).reshape(N * D, N * D)
+    J_a = jac(lambda s: block.attn(block.norm1(s[None]))[0], X).reshape(N * D, N * D)
+    P = torch.softmax(terms.logits[i], -1)  # (H, N, N)
+    W_vo = value_output(*bound_weights(block.attn)[2:])  # (H, D, D)
+    K = sum(torch.kron(P_h.contiguous(), W_h.T.contiguous())
+            for P_h, W_h in zip(P, W_vo, strict=True))
+    value = K @ J_N  # row-major vec(P Γ W) = (P ⊗ Wᵀ) vec(Γ)
+    eye = torch.eye(N * D, dtype=X.dtype)
+    return torch.stack([torch.linalg.matrix_norm(m, 2)
+                        for m in (eye + value, J_a - value, eye + J_a)])
 
 
 def radii(model, x: torch.Tensor, y: torch.Tensor) -> None:

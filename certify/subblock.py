@@ -24,6 +24,7 @@ Pure functions of tensors.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from lipvit.certify.attention import bound_weights, value_output
@@ -194,15 +195,34 @@ def token_jacobians(norm, X: Tensor) -> Tensor:
     return c[..., None, None] * gamma.detach()[:, None] * Pi
 
 
+class SubBlockBound(NamedTuple):
+    """The two parts of :func:`subblock_bound` ``(B,)`` each: ``value``, the
+    residual value path's bound ``‖I + K J_N‖`` (:func:`projected_subblock_norm`
+    without the softmax path), and ``softmax``, the softmax path's ``‖S J_N‖``;
+    the sub-block's bound is their sum (the triangle inequality)."""
+
+    value: Tensor
+    softmax: Tensor
+
+
 def subblock_bound(block, X: Tensor, terms: LoFASTTerms,
                    weighted: bool = True) -> Tensor:
     """Upper bound ``(B,)`` on ``‖I + J_a J_N‖`` of ``block``'s attention
     sub-block at its clean input ``X`` ``(B, N, D)`` (a LayerProject or a
-    LayerNorm ``norm1``), :func:`projected_subblock_norm`; ``terms``: the bare
+    LayerNorm ``norm1``): the sum of :func:`subblock_parts`."""
+    parts = subblock_parts(block, X, terms, weighted)
+    return parts.value + parts.softmax
+
+
+def subblock_parts(block, X: Tensor, terms: LoFASTTerms,
+                   weighted: bool = True) -> SubBlockBound:
+    """The value and softmax paths' bounds of :func:`subblock_bound`,
+    :func:`projected_subblock_norm`; ``terms``: the bare
     attention's at ``norm1(X)`` (with :func:`with_softmax_gains`'s row gains
     for the tighter softmax path). ``weighted``: where the softmax path's
-    bound is more than :data:`WEIGHTED_SHARE` of the rest, also bound it by
-    :func:`~lipvit.certify.softmax_norm.softmax_norm_bound` (where smaller)."""
+    bound is more than :data:`WEIGHTED_SHARE` of the value path's, also bound
+    it by :func:`~lipvit.certify.softmax_norm.softmax_norm_bound` (where
+    smaller)."""
     norm = block.norm1
     W_q, W_k, W_v, W_o = bound_weights(block.attn)
     P = torch.softmax(terms.logits, dim=-1)
@@ -221,4 +241,4 @@ def subblock_bound(block, X: Tensor, terms: LoFASTTerms,
         J = token_jacobians(norm, X)
         softmax = torch.fmin(softmax, softmax_norm_bound(
             norm(X).detach(), W_q, W_k, W_v, W_o, P, J))
-    return rest + softmax
+    return SubBlockBound(rest, softmax)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lipvit.certify.attention import bound_weights
 from lipvit.certify.local import layernorm_local_lipschitz
 from lipvit.certify.network import network_bound
 from lipvit.certify.remainders import attention_jacobian_norm
 from lipvit.certify.sites import forward
-from lipvit.certify.subblock import subblock_bound, with_softmax_gains
+from lipvit.certify.subblock import subblock_bound, subblock_parts, with_softmax_gains
 from lipvit.certify.taylor import taylor_bound
 
 from tests.conftest import full_jacobian, nonlinear_model
@@ -94,6 +95,46 @@ def test_layernorm_subblock_norm_is_far_below_the_product_bound():
         product = 1 + attention_jacobian_norm(terms[k]) * L_N
         assert torch.all(bound[:, k] < product * 0.6), (bound[:, k], product)
     assert torch.all(bound <= exact * 4), bound / exact
+
+
+def _dense_paths(blk, X: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """Exact ``‖I + K J_N‖`` and ``‖S J_N‖`` of ``blk``'s attention sub-block
+    at one sample's input ``X`` ``(N, D)``, ``P`` ``(H, N, N)`` its attention:
+    the value path from the Jacobian with ``P`` held fixed, the softmax path
+    the rest of the whole sub-block's."""
+    W_v, W_o = bound_weights(blk.attn)[2:]
+
+    def value(v):
+        heads = torch.einsum("hrk,kd,hde->hre", P, blk.norm1(v[None])[0], W_v)
+        return v + torch.einsum("hre,hef->rf", heads, W_o)
+
+    J_value = full_jacobian(value, X)
+    J_sub = full_jacobian(lambda v: v + blk.attn(blk.norm1(v[None]))[0], X)
+    return torch.linalg.matrix_norm(torch.stack([J_value, J_sub - J_value]), ord=2)
+
+
+@pytest.mark.parametrize("family,kw", [("standard", {}),
+                                       ("lipschitz", {"attn_project": "token"})])
+@pytest.mark.parametrize("seed", range(3))
+def test_each_part_bounds_its_own_path(family, kw, seed):
+    """:func:`subblock_parts`: the value part bounds ``‖I + K J_N‖`` (the
+    attention matrices held at the clean point; 1.00–1.11× it here) and the
+    softmax part the rest of the attention's Jacobian, ``‖S J_N‖`` (1.2–2.2×),
+    each against its dense Jacobian (what ``bench/subblock_norms.py --paths``
+    compares)."""
+    model = nonlinear_model(family, seed, **kw)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        clean = forward(model, x)[1]
+        terms = network_bound(model, x, "lofast").attention_terms
+    for k, blk in enumerate(model.blocks):
+        X = clean.stream[2 * k]
+        with torch.no_grad():
+            gains = with_softmax_gains(blk, clean.attn_in[k], terms[k])
+            parts = torch.stack(subblock_parts(blk, X, gains), 1)  # (B, 2)
+        P = torch.softmax(terms[k].logits, -1)
+        exact = torch.stack([_dense_paths(blk, X[b], P[b]) for b in range(len(x))])
+        assert torch.all(parts >= exact * (1 - 1e-12)), (parts, exact)
 
 
 @pytest.mark.parametrize("family", ["lipschitz", "standard"])
