@@ -229,16 +229,16 @@ def subblock_parts(block, X: Tensor, terms: LoFASTTerms,
     if isinstance(norm, LayerProject):
         c, U = projection_structure(X, norm.radius, norm.mode)
         softmax = softmax_path(terms) * c.amax(-1)  # ‖J_N‖ = max c
-        rest = projected_subblock_norm(P, W_v, W_o, c, U, torch.zeros_like(softmax))
+        value = projected_subblock_norm(P, W_v, W_o, c, U, torch.zeros_like(softmax))
     else:
         c, gamma, U, kept = layernorm_structure(X, norm)
         zero = torch.zeros_like(c[:, 0])
         L_N = layernorm_local_lipschitz(X, norm.weight, norm.eps, zero)
         softmax = softmax_path(terms) * L_N
-        rest = projected_subblock_norm(P, gamma[:, None] * W_v, W_o, c, U,
+        value = projected_subblock_norm(P, gamma[:, None] * W_v, W_o, c, U,
                                        torch.zeros_like(softmax), kept)
-    if weighted and bool((softmax > WEIGHTED_SHARE * rest).any()):
+    if weighted and bool((softmax > WEIGHTED_SHARE * value).any()):
         J = token_jacobians(norm, X)
         softmax = torch.fmin(softmax, softmax_norm_bound(
             norm(X).detach(), W_q, W_k, W_v, W_o, P, J))
-    return SubBlockBound(rest, softmax)
+    return SubBlockBound(value, softmax)
