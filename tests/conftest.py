@@ -98,6 +98,14 @@ SLOW_TESTS = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _same_rng_state_for_every_test() -> None:
+    """Every test starts from the same torch RNG state, whatever ran before it
+    in its process (``-n auto`` spreads the files over workers in an order
+    that changes from run to run; the attacks' random starts draw from it)."""
+    torch.manual_seed(0)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if any(fnmatch.fnmatchcase(item.nodeid, p) for p in SLOW_TESTS):
