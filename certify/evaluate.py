@@ -28,16 +28,18 @@ from lipvit.certify.certification import (
     margin,
 )
 from lipvit.certify.eps import check_eps_list
+from lipvit.certify.global_bound import check_global, global_constant, global_radius
 from lipvit.certify.network import METHODS as BOUND_METHODS
 from lipvit.certify.network import network_bound
 from lipvit.certify.tangents import taylor_batch
 from lipvit.certify.taylor import taylor_bound
 from torch import Tensor
 
+from lipvit.errors import UnsupportedModelError
 from lipvit.model import ViT
 
 ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "alpha-crown",
-                                "cascade", "cascade-taylor")
+                                "cascade", "cascade-taylor", "global")
 CASCADES = {"cascade": "lofast", "cascade-taylor": "taylor"}
 """Each cascade: its first method; CROWN runs on what that left uncertified."""
 LIRPA_METHODS = {"crown": "CROWN", "alpha-crown": "alpha-CROWN"}
@@ -52,6 +54,12 @@ QUANTITIES = {
                    "recursion with exact Jacobian norms and the ReLU flip "
                    "symbols carried with exact coefficients",
         "certificate": "sound: every wrong-class margin exceeds its drop bound",
+    },
+    "global": {
+        "constant": "upper bound: product of the maps' proven constants (exact "
+                    "spectral norms, DFT bounds of the convolutions, the gated "
+                    "attention's closed form; docs/math.md §9)",
+        "certificate": "sound: every margin F_y - F_j exceeds eps L ||w_y - w_j||",
     },
 }
 """What each method's numbers are, for the JSON (methods not named: see ``exact``)."""
@@ -123,7 +131,7 @@ class CertifyReport:
         return out
 
 
-def _check(methods: Sequence[str], eps_list: Sequence[float]) -> None:
+def _check(model, methods: Sequence[str], eps_list: Sequence[float]) -> None:
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
         raise ValueError(
@@ -131,7 +139,23 @@ def _check(methods: Sequence[str], eps_list: Sequence[float]) -> None:
         )
     if not methods:
         raise ValueError("give at least one method")
+    check_methods(model, methods)
     check_eps_list(eps_list)
+
+
+def check_methods(model, methods: Sequence[str]) -> None:
+    """Refuse, in one line (:class:`UnsupportedModelError`), a method that cannot
+    bound ``model``'s architecture: ``global`` needs a proven global constant
+    (the hybrid ViT), and every other method bounds :class:`ViT` only."""
+    if "global" in methods:
+        check_global(model)
+    if getattr(model.config, "arch", "vit") == "hybrid":
+        other = [m for m in methods if m != "global"]
+        if other:
+            raise UnsupportedModelError(
+                f"{other[0]} bounds lipvit's ViT architecture; this hybrid ViT is "
+                "certified by its proven global constant: use --method global"
+            )
 
 
 def _batches(n: int, batch_size: int):
@@ -207,7 +231,7 @@ def certify_samples(
         model); certificates use margins rounded down and bounds rounded up
         (:mod:`lipvit.certify.certification`).
     """
-    _check(methods, eps_list)
+    _check(model, methods, eps_list)
     model = float64_model(model)  # in eval mode
     x = x.to(torch.float64)
     n = x.shape[0]
@@ -230,11 +254,18 @@ def certify_samples(
     crown_runs = len(eps_list) * (sum(m in methods for m in LIRPA_METHODS)
                                   + sum(c in methods for c in CASCADES))
     # of a sample, per unit of work
-    share = 1.0 / (len(bound_methods) + use_taylor + crown_runs)
+    share = 1.0 / (len(bound_methods) + use_taylor + crown_runs
+                   + ("global" in methods))
 
     def advance(samples: float) -> None:
         if progress is not None:
             progress(samples * share)
+
+    gc = None  # the global constant, computed once
+    if "global" in methods:
+        t0 = time.perf_counter()
+        gc = global_constant(model)
+        add("global", time.perf_counter() - t0)
 
     crown = None  # one bounded model for the whole run
     if crown_runs:
@@ -250,6 +281,16 @@ def certify_samples(
         m_cert = certified_margin(logits, yb)  # rounded down
         logits_all.append(logits)
         margins_all.append(m)
+        if gc is not None:
+            t0 = time.perf_counter()
+            r = global_radius(logits, yb, gc)
+            add("global", time.perf_counter() - t0)
+            for eps in eps_list:
+                # r is itself a certified radius (rounded down): ε ≤ r certifies.
+                certified.setdefault(f"global@{eps}", []).append(r >= eps)
+                add(f"global@{eps}", 0.0)
+            radii.setdefault("global", []).append(r)
+            advance(sl.stop - sl.start)
         if use_taylor:
             _taylor(model, xb, yb, eps_list, radius, radius_tol, max_memory,
                     max_symbols, add, certified, radii)
@@ -298,7 +339,7 @@ def certify_samples(
         for eps in eps_list:
             key = f"{method}@{eps}"
             seconds = times[key]
-            if method in (*BOUND_METHODS, "taylor"):
+            if method in (*BOUND_METHODS, "taylor", "global"):
                 seconds += times[method]
             elif method in CASCADES:
                 first = CASCADES[method]

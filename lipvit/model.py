@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lipvit.config import ViTConfig
+from lipvit.hybrid import HybridViT
 from lipvit.layers import SLL, LayerProject, SpectralCap, capped_linear
 
 
@@ -263,3 +264,9 @@ class ViT(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         """Every block's token mixer (an :class:`Attention` for ``"dot"``)."""
         return [block.attn for block in self.blocks]
+
+
+def build_model(cfg: ViTConfig) -> ViT | HybridViT:
+    """The model ``cfg`` describes: a :class:`ViT`, or a
+    :class:`lipvit.hybrid.HybridViT` where ``cfg.arch == "hybrid"``."""
+    return HybridViT(cfg) if cfg.arch == "hybrid" else ViT(cfg)

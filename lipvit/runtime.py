@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from lipvit.config import ViTConfig
-from lipvit.model import ViT
+from lipvit.model import build_model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,9 +40,10 @@ def cpu_threads(
 ) -> Iterator[None]:
     """Set the CPU thread count while working with a model of ``model_cfg``.
 
-    ``threads`` 0 chooses: one thread for models under a million parameters
+    ``threads`` 0 chooses: one thread for ViTs under a million parameters
     (their matrices are too small to split, and spinning threads lose badly on
-    a shared machine), torch's default otherwise. No effect off the CPU.
+    a shared machine), torch's default otherwise and for the hybrid ViT (its
+    convolutions over whole images split well). No effect off the CPU.
     """
     if device.type != "cpu":
         yield
@@ -50,8 +51,9 @@ def cpu_threads(
     n = threads
     if n == 0:
         with torch.device("meta"):
-            params = sum(p.numel() for p in ViT(model_cfg).parameters())
-        n = 1 if params < 1_000_000 else torch.get_num_threads()
+            params = sum(p.numel() for p in build_model(model_cfg).parameters())
+        small = params < 1_000_000 and model_cfg.arch != "hybrid"
+        n = 1 if small else torch.get_num_threads()
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -215,3 +215,28 @@ def spectral_norm(W: Tensor) -> Tensor:
     if _host(W):
         return torch.linalg.matrix_norm(W.cpu(), ord=2).to(W.device)
     return torch.linalg.matrix_norm(W, ord=2)
+
+
+def conv_operator_norm(K: Tensor, size: int) -> Tensor:
+    """Upper bound of the spectral norm of the zero-padded ("same") stride-1
+    convolution with kernel ``K`` ``(c_out, c_in, k, k)``, odd ``k``, on
+    ``size × size`` images: a scalar tensor, differentiable.
+
+    Zero padding by ``p = (k − 1)/2`` then cropping embeds the convolution in
+    the circular one on the ``G × G`` grid, ``G = size + k − 1``, where no
+    output pixel kept wraps around: ``conv = crop ∘ circ ∘ pad`` with ``pad``
+    an isometry and ``crop`` a projection, so ``‖conv‖ ≤ ‖circ‖``. The
+    circular convolution is block-diagonalised by the 2-D DFT (Sedghi, Gupta
+    and Long, ICLR 2019): ``‖circ‖ = max_ω σ_max(K̂(ω))`` over the ``G²``
+    frequencies, ``K̂(ω)`` the ``c_out × c_in`` matrix of the kernel's DFT
+    (docs/math.md §9). Exact for circular padding, a bound for zeros. A real
+    kernel has ``K̂(−ω) = conj K̂(ω)``, of the same singular values, so the
+    half-spectrum of ``rfft2`` holds every value of the maximum.
+    """
+    k = K.shape[-1]
+    if K.shape[-2] != k or k % 2 == 0:
+        raise ValueError(f"expected a square kernel of odd side, got {tuple(K.shape)}")
+    G = size + k - 1
+    K_hat = torch.fft.rfft2(K, s=(G, G))  # (c_out, c_in, G, G // 2 + 1), complex
+    blocks = K_hat.flatten(2).permute(2, 0, 1)  # (frequencies, c_out, c_in)
+    return spectral_norm(blocks).amax()

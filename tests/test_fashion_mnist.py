@@ -4,9 +4,7 @@ pipeline's wiring; the real files where Debian's package installed them."""
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
-import os
 from pathlib import Path
 
 import numpy as np
@@ -193,9 +191,9 @@ def test_schedules_per_dataset() -> None:
         assert digits.epochs == FAMILY_DEFAULTS[family]["epochs"]
         fmnist = train_config_for(family, "fashion-mnist")
         assert fmnist.batch_size == 128
-        # The lipschitz model: 20 unaugmented epochs trained for the taylor
-        # certificate (ReLU stability 0.2); the standard one: 30 epochs with
-        # flips and label smoothing (docs/fashion-mnist.md).
+        # The lipschitz ViT architecture: 20 unaugmented epochs trained for the
+        # taylor certificate (ReLU stability 0.2); the standard one: 30 epochs
+        # with flips and label smoothing (docs/fashion-mnist.md).
         assert (fmnist.epochs, fmnist.augment) == (
             (30, True) if family == "standard" else (20, False))
         assert fmnist.label_smoothing == (0.1 if family == "standard" else 0.0)
@@ -204,6 +202,14 @@ def test_schedules_per_dataset() -> None:
                                 relu_stability=0.0).relu_stability == 0.0  # off
         assert fmnist.loss_scale == FAMILY_DEFAULTS[family]["loss_scale"]
         assert train_config_for(family, "fashion-mnist", epochs=3).epochs == 3
+    # The hybrid ViT (the lipschitz default on Fashion-MNIST): its own schedule
+    # over any dataset's, Lipschitz-margin cross-entropy, no penalties.
+    hybrid = train_config_for("lipschitz", "fashion-mnist", arch="hybrid")
+    assert hybrid == train_config_for("lipschitz", "digits", arch="hybrid")
+    assert (hybrid.epochs, hybrid.batch_size, hybrid.lr) == (20, 256, 1e-3)
+    assert hybrid.margin > 0 and hybrid.loss_scale == 4.0
+    assert hybrid.relu_stability == 0 and not any(hybrid.msvp)
+    assert train_config_for("lipschitz", arch="hybrid", margin=0.0).margin == 0.0
 
 
 # ---------------------------------------------------------------- CLI and pipeline
@@ -228,8 +234,11 @@ def test_cli_train_defaults_to_the_fashion_mnist_preset(tmp_path: Path) -> None:
         "--family", "lipschitz", "--depth", "1", "--epochs", "1", "--no-progress",
         "--out", str(tmp_path / "lip.pt")])
     assert result.exit_code == 0, result.output
-    config = load_checkpoint(tmp_path / "lip.pt").config
-    assert (config.patch_size, config.embed_dim) == (7, 128)  # fmnist-p7-3x128
+    lip = load_checkpoint(tmp_path / "lip.pt")
+    assert (lip.config.arch, lip.config.embed_dim) == ("hybrid", 64)  # fmnist-hybrid
+    assert lip.summary["train_config"]["batch_size"] == 256
+    assert lip.summary["hybrid"]["global_constant"] <= 1 + 1e-6
+    assert "global constant" in result.output
 
 
 @pytest.mark.parametrize("command", [
@@ -253,60 +262,35 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
         plan = build_plan(tmp_path, settings, dataset="fashion-mnist")
         trains = [step for step in plan.steps if step.train]
         assert [s.key for s in trains] == ["train/vanilla", "train/msvp",
-                                           "train/lipschitz-base", "train/lipschitz"]
+                                           "train/lipschitz"]
         for step in trains:
             args = list(step.args)
             assert args[args.index("--dataset") + 1] == "fashion-mnist"
             assert "--preset" not in args  # `lipvit train` picks the presets
-        # The lipschitz model's certified stage continues the first stage with
-        # its own epochs (CERT_STAGES); --fast shortens every training.
-        stage = list(trains[-1].args)
-        assert stage[stage.index("--init") + 1] == str(plan.model("lipschitz-base"))
-        assert float(stage[stage.index("--cert-eps") + 1]) > 0
-        assert trains[-1].inputs == (plan.model("lipschitz-base"),)
+            assert "--init" not in args  # every model in one command
+        # The lipschitz model is the hybrid ViT: no MSVP, certified by `global`
+        # only, and no LoFAST tightness or CROWN steps on it.
+        lip = list(trains[-1].args)
+        assert lip[lip.index("--msvp") + 1] == "0"
+        cert = list(next(s for s in plan.steps if s.key == "certify/lipschitz").args)
+        assert cert[cert.index("--method") + 1] == "global"
+        keys = {s.key for s in plan.steps}
+        assert not keys & {"tightness/layer", "tightness/layer-residual",
+                           "tightness/network", "certify/lipschitz-crown"}
+        assert {"tightness/layer-vanilla", "attack/radius", "plot/gap"} <= keys
         epochs = [s.args[s.args.index("--epochs") + 1] for s in trains
                   if "--epochs" in s.args]
-        assert epochs == (["2"] if settings == full else ["1"] * 4)
-    off = build_plan(tmp_path, dataclasses.replace(full, cert_stage_epochs=0),
-                     dataset="fashion-mnist")
-    assert [s.key for s in off.steps if s.train][-1] == "train/lipschitz"
-    assert not any("--init" in s.args for s in off.steps)
+        assert epochs == ([] if settings == full else ["1"] * 3)
     assert Settings.fast_mode().preset == "digits-tiny"  # digits: as before
     assert Settings.for_dataset("digits") == Settings()
     digits = build_plan(tmp_path, Settings(), dataset="digits")
-    assert len([s for s in digits.steps if s.train]) == 3  # no certified stage
+    assert len([s for s in digits.steps if s.train]) == 3
+    assert "tightness/network" in {s.key for s in digits.steps}
     attack = next(step for step in build_plan(tmp_path, full, dataset="fashion-mnist")
                   .steps if step.key == "attack/lipschitz")
     args = list(attack.args)  # real images: the literature's l2 radii, with APGD
     assert args[args.index("--eps") + 1] == "0.1,0.25,0.5,1.0"
     assert "apgd" in args[args.index("--attack") + 1].split(",")
-
-
-def test_pipeline_trains_the_certified_stage_from_the_first(tmp_path: Path) -> None:
-    from lipvit.analysis.report import pipeline_report
-
-    from lipvit.checkpoint import load_checkpoint
-    from lipvit.commands.pipeline import run_step
-
-    _fake(tmp_path / "data", compress=False)
-    plan = build_plan(tmp_path / "run", Settings.fast_mode("fashion-mnist"),
-                      dataset="fashion-mnist", data_dir=tmp_path / "data",
-                      device="cpu", threads=1)
-    first, second = (next(s for s in plan.steps if s.key == key)
-                     for key in ("train/lipschitz-base", "train/lipschitz"))
-    assert [run_step(first, False), run_step(second, False)] == ["ran", "ran"]
-    base = load_checkpoint(plan.model("lipschitz-base"))
-    tuned = load_checkpoint(plan.model("lipschitz"))
-    assert tuned.config == base.config and base.config.patch_size == 7
-    assert base.summary["train_config"]["cert_eps"] == 0
-    assert tuned.summary["train_config"]["cert_eps"] == 0.2
-    assert run_step(second, False) == "skipped"
-    # A newer first stage makes the certified stage stale (like make).
-    later = plan.model("lipschitz").stat().st_mtime + 10
-    os.utime(plan.model("lipschitz-base"), (later, later))
-    assert not second.done()
-    report = pipeline_report(plan.out, {}, {}).render()
-    assert "lipschitz-base" in report and "ε = 0.2" in report
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason=f"{REAL} absent "

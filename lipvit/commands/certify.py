@@ -16,6 +16,7 @@ from lipvit.certify.evaluate import (
     QUANTITIES,
     CertifyReport,
     certify_samples,
+    check_methods,
     merge_records,
     report_record,
 )
@@ -56,12 +57,15 @@ def taylor_unsupported(model) -> str | None:
 
 def default_method(model) -> tuple[str, str | None]:
     """The method of a ``certify`` without ``--method``: the best sound one the
-    model supports, ``taylor`` (first-order exact), else ``lofast``, with the
-    one-line note that says why.
+    model supports: ``global`` on the hybrid ViT (the only one that bounds it),
+    else ``taylor`` (first-order exact), else ``lofast``, with the one-line note
+    that says why.
 
     Raises:
         UnsupportedModelError: lofast cannot bound the model either (its reason).
     """
+    if getattr(model.config, "arch", "vit") == "hybrid":
+        return "global", None  # its proven global constant (docs/math.md §9)
     why = taylor_unsupported(model)
     if why is None:
         return "taylor", None
@@ -235,6 +239,7 @@ def certify(
         methods = [method]
         if note and ranks.rank == 0:
             click.echo(note, err=True)
+    check_methods(model, methods)  # before any method's own checks
     if ranks.rank == 0:
         C.warn_large_eps(eps_list, data.x.shape[1:])
     max_memory = None if max_memory_text is None else parse_memory(max_memory_text)

@@ -1,12 +1,12 @@
 """``lipvit pipeline``: the whole study on one dataset, ending in ``report.md``.
 
-Trains a vanilla standard ViT (``--msvp 0``), an MSVP standard ViT and an MSVP
-lipschitz-family ViT (where the dataset has one, in two stages: the second is
-certified training for ``taylor``, :data:`lipvit.train.CERT_STAGES`); attacks
-all three; certifies the lipschitz and MSVP models; measures the tightness of
-the bounds (one attention layer and the whole network) and compares the spectra
-of vanilla and MSVP; then writes ``OUT/report.md`` with the tables, the figures
-and the command of every part.
+Trains a vanilla standard ViT (``--msvp 0``), an MSVP standard ViT and a
+lipschitz-family ViT (with MSVP; on Fashion-MNIST the hybrid ViT, whose
+attention's constant is proven instead, :mod:`lipvit.hybrid`); attacks all
+three; certifies the lipschitz and MSVP models (the hybrid by its global
+constant); measures the tightness of the bounds (one attention layer and the
+whole network) and compares the spectra of vanilla and MSVP; then writes
+``OUT/report.md`` with the tables, the figures and the command of every part.
 
 Every step *is* one ``lipvit`` command, run in this process through its click
 entry point (``Command.main(args, standalone_mode=False)``: no shell, no new
@@ -66,9 +66,6 @@ class Settings:
     epochs: int | None = None  # None: `lipvit train`'s per-family defaults
     preset: str | None = None  # None: `lipvit train`'s per-family default preset
     msvp: float = 1e-3
-    # The lipschitz model's certified second stage (`lipvit train`'s
-    # CERT_STAGES, where the dataset has one): None its own epochs, 0 none.
-    cert_stage_epochs: int | None = None
     attacks: str = "pgd-l2,cw"
     attack_eps: str = "0.005,0.01,0.02,0.05,0.1,0.2,0.5"
     attack_n: int = 100
@@ -108,11 +105,10 @@ class Settings:
     @classmethod
     def fast_mode(cls, dataset: str = "digits") -> Settings:
         """Smoke-test sizes; off digits, one epoch of `lipvit train`'s presets for
-        the dataset (and one of the certified stage)."""
+        the dataset."""
         digits = dataset == "digits"
         return cls(
             epochs=2 if digits else 1,
-            cert_stage_epochs=None if digits else 1,
             preset="digits-tiny" if digits else None,
             attacks="pgd-l2",
             attack_eps="0.5",
@@ -254,10 +250,13 @@ def build_plan(
     )
     train_dev = device if device in ("auto", "cpu", "cuda") else "cuda"
     thr = ("--threads", str(threads)) if threads else ()
+    # The hybrid ViT's attention carries a proven constant: no MSVP, and only
+    # the global certificate bounds it (no CROWN, LoFAST or taylor steps).
+    hybrid = lipschitz_arch(dataset, s.preset) == "hybrid"
     families = {
         "vanilla": ("standard", "0"),
         "msvp": ("standard", f"{s.msvp:g}"),
-        "lipschitz": ("lipschitz", f"{s.msvp:g}"),
+        "lipschitz": ("lipschitz", "0" if hybrid else f"{s.msvp:g}"),
     }
     common = ("--dataset", dataset, *data_dir_args, "--device", train_dev,
               "--seed", "0", "--no-progress", *thr)
@@ -270,16 +269,8 @@ def build_plan(
                  (ckpt, ckpt.with_suffix(".json")), train=True, inputs=inputs))
         return ckpt
 
-    stage = _cert_stage(dataset, s)
     for name, (family, lam) in families.items():
-        own = ("--family", family, "--msvp", lam)
-        if family == "lipschitz" and stage:
-            first = add_training(f"{name}-base", f"train {name} (first stage)",
-                                 (*own, *size))
-            add_training(name, f"train {name} (certified stage)",
-                         (*own, "--init", str(first), *stage), inputs=(first,))
-        else:
-            add_training(name, f"train {name}", (*own, *size))
+        add_training(name, f"train {name}", ("--family", family, "--msvp", lam, *size))
     for name in MODELS:
         ckpt = plan.model(name)
         js, cs = out / "attack" / f"{name}.json", out / "attack" / f"{name}.csv"
@@ -321,7 +312,7 @@ def build_plan(
             "--eps",
             s.certify_eps,
             "--method",
-            s.certify_methods,
+            "global" if hybrid and name == "lipschitz" else s.certify_methods,
             "--radius",
             "--n",
             str(s.certify_n),
@@ -374,7 +365,7 @@ def build_plan(
             "lipschitz: certified radius vs attack radius")
     add(Step("plot/gap", "plot the certification gap of lipschitz", plot, args,
              (fig,), inputs=(cert, radius_js)))
-    if crown and s.crown_n > 0:
+    if crown and s.crown_n > 0 and not hybrid:
         js = out / "certify" / "lipschitz-crown.json"
         cs = out / "certify" / "lipschitz-crown.csv"
         args = (
@@ -422,6 +413,8 @@ def build_plan(
         ("network", lip, ("--network", *network_methods), s.network_eps,
          s.network_pgd),
     ):
+        if hybrid and ckpt == lip:  # the hybrid has no LoFAST layer bounds
+            continue
         d = out / "tightness" / key
         name = "vanilla" if ckpt == vanilla else "lipschitz"
         args = (
@@ -488,18 +481,13 @@ def build_plan(
     return plan
 
 
-def _cert_stage(dataset: str, s: Settings) -> tuple[str, ...]:
-    """``lipvit train`` options of the lipschitz model's certified second stage
-    (:data:`lipvit.train.CERT_STAGES`); empty where there is none."""
-    from lipvit.train import CERT_STAGES
+def lipschitz_arch(dataset: str, preset: str | None) -> str:
+    """The ``arch`` of the lipschitz model ``lipvit train`` builds for
+    ``dataset`` (``preset``, else its default preset)."""
+    from lipvit.commands.train import DEFAULT_PRESET, FALLBACK_PRESET
 
-    stage = dict(CERT_STAGES.get((dataset, "lipschitz"), {}))
-    if not stage or s.cert_stage_epochs == 0:
-        return ()
-    if s.cert_stage_epochs is not None:
-        stage["epochs"] = s.cert_stage_epochs
-    return tuple(arg for key, value in stage.items()
-                 for arg in ("--" + key.replace("_", "-"), f"{value:g}"))
+    name = preset or DEFAULT_PRESET.get((dataset, "lipschitz"), FALLBACK_PRESET)
+    return PRESETS[name].get("arch", "vit")
 
 
 def step_args(step: Step, force: bool) -> tuple[list[str], str] | None:
@@ -734,14 +722,14 @@ def run_plan(
     type=click.Choice(tuple(PRESETS)),
     help="model size for all three models (default: `lipvit train`'s "
     "per-dataset and per-family preset: digits-tiny/digits-small on digits, "
-    "fmnist-3x64/fmnist-p7-3x128 on fashion-mnist)",
+    "fmnist-3x64/fmnist-hybrid on fashion-mnist)",
 )
 @click.option(
     "--epochs",
     type=click.IntRange(min=1),
     default=None,
     help="training epochs (default: `lipvit train`'s per-dataset and per-family "
-    "defaults; a certified second stage keeps its own)",
+    "defaults)",
 )
 @click.option(
     "--msvp",
@@ -756,9 +744,8 @@ def run_plan(
     default="digits",
     show_default=True,
     help="digits: the quick default job; fashion-mnist: real 28×28 images, "
-    "the presets and schedules of `lipvit train` (25–35 minutes of training "
-    "per model on a 2-core CPU, about 80 minutes in all with --jobs 2) and a "
-    "certified second stage of the lipschitz model",
+    "the presets and schedules of `lipvit train` (25–40 minutes of training "
+    "per model on a 2-core CPU)",
 )
 @click.option(
     "--data-dir",
