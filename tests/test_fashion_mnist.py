@@ -293,6 +293,34 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
     assert "apgd" in args[args.index("--attack") + 1].split(",")
 
 
+def test_pipeline_trains_and_certifies_the_hybrid(tmp_path: Path) -> None:
+    """The Fashion-MNIST pipeline's lipschitz steps on a tiny fake dataset:
+    one `lipvit train` (the hybrid, no MSVP), certified with `global`, whose
+    report section names the method and the model's constant."""
+    import json
+
+    from lipvit.analysis.report import pipeline_report
+
+    from lipvit.checkpoint import load_checkpoint
+    from lipvit.commands.pipeline import run_step
+
+    _fake(tmp_path / "data", compress=False)
+    plan = build_plan(tmp_path / "run", Settings.fast_mode("fashion-mnist"),
+                      dataset="fashion-mnist", data_dir=tmp_path / "data",
+                      device="cpu", threads=1)
+    steps = {s.key: s for s in plan.steps}
+    assert run_step(steps["train/lipschitz"], False) == "ran"
+    assert run_step(steps["certify/lipschitz"], False) == "ran"
+    ckpt = load_checkpoint(plan.model("lipschitz"))
+    assert ckpt.config.arch == "hybrid"
+    assert not any(ckpt.summary["train_config"]["msvp"])
+    cert = json.loads((plan.out / "certify" / "lipschitz.json").read_text())
+    assert {r["method"] for r in cert["results"]} == {"global"}
+    report = pipeline_report(plan.out, {}, {}).render()
+    assert "`global`: bounds each class pair's margin" in report
+    assert "proven global constant L = 1.0000" in report
+
+
 @pytest.mark.skipif(not REAL.is_dir(), reason=f"{REAL} absent "
                     "(apt-get install dataset-fashion-mnist)")
 def test_real_files() -> None:

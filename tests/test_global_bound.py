@@ -254,6 +254,13 @@ def test_cli_trains_and_certifies_the_hybrid(tmp_path) -> None:
                                         "0.05", "--n", "4", "--method", method])
         assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
         assert "global" in bad.output.strip().splitlines()[-1]
+    for command in (["spectrum", "--ckpt", str(out), "--out", str(tmp_path / "s")],
+                    ["tightness", "--ckpt", str(out), "--layer", "0",
+                     "--out", str(tmp_path / "t")],
+                    ["features", "--ckpt", str(out), "--out", str(tmp_path / "f")]):
+        bad = CliRunner().invoke(main, command)
+        assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+        assert "hybrid ViT" in bad.output.strip().splitlines()[-1]
     for flag in ("--msvp", "--cert-eps", "--relu-stability"):
         bad = CliRunner().invoke(main, [
             "train", "--dataset", "digits", "--family", "lipschitz", "--preset",

@@ -104,6 +104,17 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     return _load(Path(path), device=device)
 
 
+def check_vit(loaded, command: str) -> None:
+    """Refuse, in one line, a hybrid-ViT checkpoint for ``command``, whose
+    analyses need the ViT architecture (patch embedding, LoFAST layer bounds)."""
+    from lipvit.errors import UnsupportedModelError
+
+    if loaded.config.arch == "hybrid":
+        raise UnsupportedModelError(
+            f"{command} analyses lipvit's ViT architecture; this checkpoint is the "
+            "hybrid ViT (lipvit certify and lipvit attack take it)")
+
+
 @dataclass(frozen=True, eq=False)
 class TestSet:
     """Test images ``x`` ``(n, C, S, S)`` in ``[0, 1]``, labels ``y`` ``(n,)``,

@@ -54,6 +54,7 @@ def features(ckpt: Path, out: Path, attack_name: str, eps_text: str, norm: str,
     C.check_writable(paths, force)
 
     ck = C.load_checkpoint(ckpt, device)
+    C.check_vit(ck, "lipvit features")
     data = C.load_test_set(ck, n=n, dataset=dataset, data_dir=data_dir, device=device)
     shift = feature_shift(ck.model, data.x, data.y, attack=name[0], eps=eps[0],
                           norm=norm, seed=seed, steps=steps, batch_size=batch_size)

@@ -264,6 +264,8 @@ def spectrum(
     eps = [] if eps_text.strip().lower() == "none" else C.parse_floats(eps_text, "eps")
     C.check_writable(output_paths(out, pdf), force)
     loaded = [C.load_checkpoint(p, device) for p in ckpt]
+    for one in loaded:
+        C.check_vit(one, "lipvit spectrum")
     data = None
     results = {}
     with tqdm(total=len(loaded), desc="spectrum", leave=False, unit="ckpt") as bar:

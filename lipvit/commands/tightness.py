@@ -230,6 +230,7 @@ def tightness(
     pgd = PGDSettings(pgd_steps, pgd_restarts, seed)
     C.check_writable(output_paths(out, pdf), force)
     loaded = C.load_checkpoint(ckpt, device)
+    C.check_vit(loaded, "lipvit tightness")
     model = loaded.model.double()
     data = C.load_test_set(
         loaded, n=n, dataset=dataset, data_dir=data_dir, device=device
