@@ -57,8 +57,8 @@ MODELS = ("vanilla", "msvp", "lipschitz")
 class Settings:
     """Sizes of one pipeline run (defaults: a 2-core CPU in about 16 minutes on
     digits, half of it certifying the standard model with ``taylor``'s
-    second-order models; on ``fashion-mnist`` training takes 25–35 minutes per
-    model and the whole run about 80 with ``--jobs 2``).
+    second-order models; on ``fashion-mnist`` training takes 30–40 minutes per
+    model on the 2-core CPU).
 
     ``fast`` shrinks everything to a smoke test (about a minute on digits).
     """
@@ -261,16 +261,11 @@ def build_plan(
     common = ("--dataset", dataset, *data_dir_args, "--device", train_dev,
               "--seed", "0", "--no-progress", *thr)
 
-    def add_training(name: str, title: str, args: tuple[str, ...],
-                     inputs: tuple[Path, ...] = ()) -> Path:
-        ckpt = plan.model(name)
-        add(Step(f"train/{name}", title, train_command,
-                 (*args, *common, "--out", str(ckpt)),
-                 (ckpt, ckpt.with_suffix(".json")), train=True, inputs=inputs))
-        return ckpt
-
     for name, (family, lam) in families.items():
-        add_training(name, f"train {name}", ("--family", family, "--msvp", lam, *size))
+        ckpt = plan.model(name)
+        args = ("--family", family, "--msvp", lam, *size, *common, "--out", str(ckpt))
+        add(Step(f"train/{name}", f"train {name}", train_command, args,
+                 (ckpt, ckpt.with_suffix(".json")), train=True))
     for name in MODELS:
         ckpt = plan.model(name)
         js, cs = out / "attack" / f"{name}.json", out / "attack" / f"{name}.csv"
