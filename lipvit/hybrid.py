@@ -173,3 +173,12 @@ def hybrid_summary(model: HybridViT, x: Tensor) -> dict[str, Any]:
     x = x.to(device=m.pos_embed.device, dtype=torch.float64)
     return {"global_constant": float(global_constant(m).L),
             "attention": m.attention_spread(x)}
+
+
+def hybrid_text(summary: dict[str, Any]) -> str:
+    """One line of a :func:`hybrid_summary`: ``global constant 1.0000;
+    attention logit spread 0.90 (content 0.00), gate 0.027`` (per block)."""
+    blocks = "; ".join(
+        f"attention logit spread {a['total']:.2f} (content {a['content']:.2f}), "
+        f"gate {a['gate']:.3f}" for a in summary["attention"])
+    return f"global constant {summary['global_constant']:.4f}; {blocks}"

@@ -261,6 +261,8 @@ def test_cli_trains_and_certifies_the_hybrid(tmp_path) -> None:
         bad = CliRunner().invoke(main, command)
         assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
         assert "hybrid ViT" in bad.output.strip().splitlines()[-1]
+    info = CliRunner().invoke(main, ["info", "--ckpt", str(out)])
+    assert info.exit_code == 0 and "global constant 1.0000" in info.output
     for flag in ("--msvp", "--cert-eps", "--relu-stability"):
         bad = CliRunner().invoke(main, [
             "train", "--dataset", "digits", "--family", "lipschitz", "--preset",

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from lipvit.checkpoint import FORMAT_VERSION, load_checkpoint
+from lipvit.hybrid import hybrid_text
 from lipvit.train import head_sigmas
 
 
@@ -113,6 +114,10 @@ def info_command(path: Path, as_json: bool) -> None:
             f"{s.get('epochs')} epochs in {s.get('seconds', 0):.1f} s "
             f"on {s.get('device')}"
         )
+    if s is not None and "hybrid" in s:  # the hybrid ViT: no W_q, W_k, W_v table
+        lines.append(f"hybrid       {hybrid_text(s['hybrid'])}")
+        click.echo("\n".join(lines))
+        return
     lines.append("sigma_max    exact per head (mean / max over heads)")
     lines.append(
         "  layer      W_q               W_k               W_v               W_o"

@@ -12,6 +12,7 @@ from lipvit.commands import _common as C
 from lipvit.config import ATTENTIONS, PRESETS, preset
 from lipvit.data import DATASETS, default_dirs_text, load_dataset
 from lipvit.errors import LipvitError
+from lipvit.hybrid import hybrid_text
 from lipvit.train import (
     DATASET_DEFAULTS,
     FAMILY_DEFAULTS,
@@ -409,7 +410,7 @@ def train_command(
         return
     sig = summary["sigma_max"]
     sigma = (
-        _hybrid_text(summary["hybrid"])
+        hybrid_text(summary["hybrid"])
         if "hybrid" in summary
         else "no W_q, W_k, W_v (conv token mixing)"
         if sig["mean"] is None
@@ -420,15 +421,6 @@ def train_command(
         f"saved {out} and {summary_path(out)}: test accuracy "
         f"{100 * summary['test_acc']:.1f}%, {sigma}, {summary['seconds']:.0f} s"
     )
-
-
-def _hybrid_text(hybrid: dict) -> str:
-    """``global constant 1.0000; attention logit spread 3.1 (content 0.2), gate
-    0.12`` (one entry per block)."""
-    blocks = "; ".join(
-        f"attention logit spread {a['total']:.2f} (content {a['content']:.2f}), "
-        f"gate {a['gate']:.3f}" for a in hybrid["attention"])
-    return f"global constant {hybrid['global_constant']:.4f}; {blocks}"
 
 
 def _init_model(path: Path, preset_name: str | None, size: dict, family: str) -> Any:
