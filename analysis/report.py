@@ -437,7 +437,7 @@ def pipeline_report(
         rep.text(
             "A point is certified at ε when it is classified correctly and no "
             "point of the ℓ2 ball of radius ε around it can change its label; "
-            "each method proves it from a different bound. "
+            "each sound method proves it from a different bound. "
             + " ".join(f"`{m}`: {METHOD_SENTENCES[m]}" for m in used)
             + " The MSVP model is a standard (LayerNorm) ViT: its bounds go "
             "through the local LayerNorm constants (docs/math.md §6)."
