@@ -77,27 +77,25 @@ class GatedAttention(nn.Module):
         """``g = sigmoid(γ)``, the attention's share of the block's output."""
         return torch.sigmoid(self.gate_logit)
 
+    def _heads(self, x: Tensor) -> Tensor:
+        """Queries, keys and values of the projected tokens of ``x`` ``(B, N,
+        D)``, from one product: ``(3, B, H, N, d)``."""
+        B, N, D = x.shape
+        x_hat = layer_project(x, self.radius)
+        return self.qkv(x_hat).reshape(B, N, 3, self.num_heads, self.head_dim).permute(
+            2, 0, 3, 1, 4)
+
     def logits(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Content logits ``X̂ A_h X̂ᵀ`` ``(B, H, N, N)`` and the positional bias
         ``(H, N, N)`` of tokens ``x`` ``(B, N, D)``; the softmax sees their sum."""
-        B, N, D = x.shape
-        x_hat = layer_project(x, self.radius)
-        q, k = (
-            (x_hat @ self.qkv.weight[: 2 * D].T)
-            .reshape(B, N, 2, self.num_heads, self.head_dim)
-            .permute(2, 0, 3, 1, 4)
-        )  # 2 × (B, H, N, d)
+        q, k, _ = self._heads(x)
         return q @ k.mT / math.sqrt(self.head_dim), self.pos_bias
 
     def attend(self, x: Tensor) -> Tensor:
         """``Attn(x)`` ``(B, N, D)``, the map :meth:`lipschitz` bounds."""
         B, N, D = x.shape
-        content, bias = self.logits(x)
-        P = (content + bias).softmax(dim=-1)  # (B, H, N, N)
-        x_hat = layer_project(x, self.radius)
-        v = (x_hat @ self.qkv.weight[2 * D :].T).reshape(
-            B, N, self.num_heads, self.head_dim
-        ).transpose(1, 2)  # (B, H, N, d)
+        q, k, v = self._heads(x)  # each (B, H, N, d)
+        P = (q @ k.mT / math.sqrt(self.head_dim) + self.pos_bias).softmax(dim=-1)
         return self.proj((P @ v).transpose(1, 2).reshape(B, N, D))
 
     def forward(self, x: Tensor) -> Tensor:
