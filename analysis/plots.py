@@ -350,11 +350,26 @@ def plot_tightness(
                            else None)
     ax = axes[0, 0]
     means = {}
+    bands = {name: [_vector(a, eps.size, f"bound {name!r}") for a in band]
+             for name, band in bounds.items()}
+    top = OFF_SCALE * (float(np.max(pgd[2])) if pgd is not None else 0.0)
+    if not top > 0:
+        top = OFF_SCALE * min(hi.max() for _, _, hi in bands.values())
+    clipped = False
     # Estimates dashed and underneath; sound bounds solid and on top.
-    for name, band in sorted(bounds.items(), key=lambda kv: not is_estimate(kv[0])):
-        mean, lo, hi = (_vector(a, eps.size, f"bound {name!r}") for a in band)
+    for name, (mean, lo, hi) in sorted(bands.items(),
+                                       key=lambda kv: not is_estimate(kv[0])):
         estimate = is_estimate(name)
-        (line,) = ax.plot(eps, mean, marker="o", markersize=4, label=name,
+        label = name
+        if 0 < top < mean.min():  # named, not drawn
+            ax.plot([], [], linestyle="none", label=f"{name}: off the scale, "
+                    f"{mean.min():.2g}–{mean.max():.2g}")
+            means[name] = (mean, "grey", "-")
+            continue
+        if 0 < top < hi.max():
+            clipped = True
+            label = f"{name} (up to {hi.max():.2g}, above the axis)"
+        (line,) = ax.plot(eps, mean, marker="o", markersize=4, label=label,
                           linestyle="--" if estimate else "-",
                           linewidth=1.3 if estimate else 1.8,
                           zorder=2 if estimate else 3)
@@ -366,6 +381,8 @@ def plot_tightness(
                 label="PGD (lower bound)", zorder=4)
         ax.fill_between(eps, p_lo, p_hi, color="black", alpha=0.12, linewidth=0)
     ax.set_yscale("log")
+    if clipped:
+        ax.set_ylim(top=top)
     if spans_decades(eps, decades=1.0):
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
@@ -381,6 +398,13 @@ def plot_tightness(
         ax.set_xlabel(x_label)
     return _finish(fig, path, pdf)
 
+
+OFF_SCALE = 1e6
+"""The bound panel's top: ``OFF_SCALE`` times PGD's largest value (else the
+tightest bound's). A bound whose mean lies above it at every ε is named in the
+legend with its range instead of drawn, one that crosses it is drawn and its
+legend entry gives its largest value: SpecFormer's 1e23 would otherwise
+flatten every other curve to one line."""
 
 RATIO_CLIP = 30.0
 """Span of the ratio panel: factors above ``RATIO_CLIP`` times the tightest

@@ -33,8 +33,26 @@ METHOD_SENTENCES = {
               "Lipschitz constant, ε·L·‖w_y − w_j‖ (the hybrid ViT, "
               "docs/math.md §9).",
 }
-"""One sentence per method: what it bounds (the certified-accuracy section and
-its figures say it)."""
+"""One sentence per method: what it bounds (the certified-accuracy section)."""
+
+METHOD_BOUNDS = {
+    "lofast": "the logit vector (√2·δ_out)",
+    "lofast-fast": "the logit vector, estimated (not a certificate)",
+    "specformer": "the logit vector (SpecFormer, √2·δ_out)",
+    "taylor": "each wrong-class margin",
+    "crown": "each wrong-class margin (CROWN)",
+    "alpha-crown": "each wrong-class margin (α-CROWN)",
+    "cascade": "LoFAST, then CROWN where it did not certify",
+    "cascade-taylor": "taylor, then CROWN where it did not certify",
+    "global": "each class pair (the proven global constant)",
+}
+"""What each method bounds, in a few words: the figure captions."""
+
+
+def method_caption(methods: Iterable[str]) -> str:
+    """``what each method bounds — `m`: …; …`` for the methods of a figure."""
+    parts = [f"`{m}`: {METHOD_BOUNDS[m]}" for m in methods if m in METHOD_BOUNDS]
+    return "what each method bounds — " + "; ".join(parts) + "." if parts else ""
 
 
 
@@ -250,9 +268,11 @@ def gap_table(certify: Any, attack: Any) -> tuple[list[str], list[list[Any]]]:
 
 
 def tightness_rows(
-    data: Mapping[str, Any], eps: Sequence[float] | None = None
+    data: Mapping[str, Any], eps: Sequence[float] | None = None, centre: str = "mean"
 ) -> tuple[list[str], list[list[Any]]]:
-    """Wide table: one row per ε, per method ``mean bound (ratio ×)``, and mean PGD."""
+    """Wide table: one row per ε, per method ``mean bound (ratio ×)``, and mean PGD;
+    ``centre="median"``: medians, with the median of the per-sample ratios."""
+    ratio = "ratio" if centre == "mean" else "ratio_median"
     rows = data["rows"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     all_eps = sorted({r["eps"] for r in rows})
@@ -262,10 +282,10 @@ def tightness_rows(
     table = []
     for e in chosen:
         first = by[(methods[0], e)]
-        cells = [fmt(e), fmt(first["pgd_mean"])]
+        cells = [fmt(e), fmt(first[f"pgd_{centre}"])]
         for m in methods:
             r = by[(m, e)]
-            cells.append(f"{fmt(r['bound_mean'])} ({r['ratio']:.4g}×)")
+            cells.append(f"{fmt(r[f'bound_{centre}'])} ({r[ratio]:.4g}×)")
         table.append(cells)
     return headers, table
 
@@ -352,6 +372,19 @@ def _commands(report: Report, commands: Mapping[str, str], keys: Sequence[str]) 
     if lines:
         report.text("Reproduce:")
         report.code(lines)
+
+
+def _tightness_part(rep: Report, data: Mapping[str, Any], pgd: str,
+                    centre: str) -> None:
+    """A tightness result's description, notes, table and soundness warning."""
+    rep.text(f"{data['description']}; {pgd} {data['pgd']['steps']} steps × "
+             f"{data['pgd']['restarts']} restarts.")
+    for note in data.get("notes") or []:
+        rep.text(f"Note: {note}.")
+    rep.table(*tightness_rows(data, centre=centre))
+    bad = {m: v for m, v in (data.get("violations") or {}).items() if v}
+    if bad:
+        rep.text(f"**Warning**: bounds below PGD (unsound or estimates): {bad}.")
 
 
 def pipeline_report(
@@ -451,10 +484,13 @@ def pipeline_report(
                 "0 for misclassified samples):"
             )
             rep.table(["model", "method", "median radius", "max radius"], rrows)
-        for name in certs:
+        for name, data in certs.items():
             fig = out / "certify" / f"{name}.png"
             if fig.exists():
                 rep.image(fig, f"certified accuracy of {name}")
+                methods = dict.fromkeys(r.get("method") for r in data["results"])
+                rep.text(f"Figure: certified and attacked accuracy of the {name} "
+                         f"model per ε; {method_caption(methods)}")
         if crown:
             rep.text(
                 f"CROWN (auto_LiRPA) and the LoFAST→CROWN cascade on the lipschitz "
@@ -506,6 +542,10 @@ def pipeline_report(
         rep.table(*gap_table(certs["lipschitz"], radius))
         if (out / "certify" / "gap.png").exists():
             rep.image(out / "certify" / "gap.png", "certification gap")
+            methods = dict.fromkeys(r.get("method")
+                                    for r in certs["lipschitz"]["results"])
+            rep.text("Figure: each sample's certified radius against its attack "
+                     f"radius; {method_caption(methods)}")
         _commands(rep, commands, ["attack/radius", "plot/gap"])
 
     # Tightness.
@@ -532,20 +572,7 @@ def pipeline_report(
         }
         for key, data in parts:
             rep.heading(titles[key], 3)
-            rep.text(
-                f"{data['description']}; n = {data['n']}, PGD "
-                f"{data['pgd']['steps']} steps × {data['pgd']['restarts']} "
-                "restarts."
-            )
-            for note in data.get("notes") or []:
-                rep.text(f"Note: {note}.")
-            headers, rows = tightness_rows(data)
-            rep.table(headers, rows)
-            bad = {m: v for m, v in (data.get("violations") or {}).items() if v}
-            if bad:
-                rep.text(
-                    f"**Warning**: bounds below PGD (unsound or estimates): {bad}."
-                )
+            _tightness_part(rep, data, f"n = {data['n']}, PGD", "mean")
             trace = (data.get("traces") or {}).get("lofast")
             if trace:
                 rep.text(
@@ -566,6 +593,30 @@ def pipeline_report(
             if fig.exists():
                 rep.image(fig, f"tightness ({key})")
         _commands(rep, commands, [f"tightness/{k}" for k, _ in parts])
+
+    # The certificate that decides.
+    margins = [(name, _read(out / "tightness" / f"margin-{name}" / "tightness.json"))
+               for name in ("lipschitz", "msvp")]
+    margins = [(k, v) for k, v in margins if v]
+    if margins:
+        rep.heading("Tightness of the certificate that decides")
+        rep.text(
+            "A point is certified when every wrong class's margin m_j = f_y − f_j "
+            "exceeds its method's bound on how far m_j can drop over the ball. Per "
+            "ε: each method's bound on that drop against the largest drop a "
+            "targeted PGD attack on the same margin finds (a lower bound), over "
+            "every (image, wrong class) pair at the model's prediction: medians, "
+            "and the median of the per-pair ratios bound/PGD (≥ 1 for a sound "
+            "bound). `taylor` bounds each margin on its own; `lofast` and "
+            "`specformer` bound the whole logit vector, √2·δ_out for every margin."
+        )
+        for name, data in margins:
+            rep.heading(f"{name} model", 3)
+            _tightness_part(rep, data, "targeted PGD per pair,", "median")
+            fig = out / "tightness" / f"margin-{name}" / "tightness.png"
+            if fig.exists():
+                rep.image(fig, f"margin-drop tightness ({name})")
+        _commands(rep, commands, [f"tightness/margin-{k}" for k, _ in margins])
 
     # Spectrum.
     spec = _read(out / "spectrum" / "spectrum.json")
@@ -627,8 +678,9 @@ def pipeline_report(
     if steps:
         rep.heading("Timings")
         rep.table(
-            ["step", "seconds", "status"],
-            [[k, v.get("seconds"), v.get("status", "–")] for k, v in steps.items()],
+            ["step", "what it ran", "seconds", "status"],
+            [[k, v.get("title", "–"), v.get("seconds"), v.get("status", "–")]
+             for k, v in steps.items()],
         )
         text = f"Total over all steps: {fmt(record.get('total_seconds'))} s."
         if record.get("last_run_seconds") is not None:

@@ -276,8 +276,10 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
         assert cert[cert.index("--method") + 1] == "global"
         keys = {s.key for s in plan.steps}
         assert not keys & {"tightness/layer", "tightness/layer-residual",
-                           "tightness/network", "certify/lipschitz-crown"}
-        assert {"tightness/layer-vanilla", "attack/radius", "plot/gap"} <= keys
+                           "tightness/network", "tightness/margin-lipschitz",
+                           "certify/lipschitz-crown"}
+        assert {"tightness/layer-vanilla", "tightness/margin-msvp", "attack/radius",
+                "plot/gap"} <= keys
         epochs = [s.args[s.args.index("--epochs") + 1] for s in trains
                   if "--epochs" in s.args]
         assert epochs == ([] if settings == full else ["1"] * 3)

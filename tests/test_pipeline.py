@@ -30,7 +30,8 @@ pytest.importorskip("torchattacks")
 def run_dir(tmp_path_factory):
     """One fast pipeline run shared by the tests below (about 20-40 s on 2 cores)."""
     out = tmp_path_factory.mktemp("pipe") / "demo"
-    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast"])
+    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast",
+                                  "--jobs", "1"])
     assert r.exit_code == 0, r.output
     return out, r
 
@@ -59,12 +60,20 @@ def test_report_tables_links_and_commands(run_dir):
         "## Certified accuracy",
         "## Certification gap (lipschitz model)",
         "## Tightness of the bounds",
+        "## Tightness of the certificate that decides",
+        "### lipschitz model",
+        "### msvp model",
         "## Spectra: vanilla versus MSVP",
         "## Timings",
     ):
         assert heading in text
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
-    assert len(links) >= 8  # 2 certified, 1 gap, 3 tightness, 2 spectrum figures
+    assert len(links) >= 10  # 2 certified, 1 gap, 5 tightness, 2 spectrum figures
+    assert "tightness/margin-msvp/tightness.png" in links
+    # Every certified-accuracy figure says what each of its methods bounds.
+    assert text.count("what each method bounds — ") == 3  # 2 certified, the gap
+    assert "`taylor`: each wrong-class margin" in text
+    assert "`lofast`: the logit vector (√2·δ_out)" in text
     assert "certify/gap.png" in links
     assert "| lofast | correct |" in text  # the gap table
     assert re.search(r"The last run: [\d.]+ s of wall time, 1 step at a time", text)
@@ -88,6 +97,9 @@ def test_report_tables_links_and_commands(run_dir):
 
 
 def test_second_run_skips_everything(run_dir):
+    """Without --jobs: as many steps at a time as there are CPUs."""
+    from lipvit.commands.pipeline import cpu_count
+
     out, _ = run_dir
     before = (out / "models" / "vanilla.pt").stat().st_mtime_ns
     r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast"])
@@ -96,6 +108,11 @@ def test_second_run_skips_everything(run_dir):
         build_plan(out, Settings.fast_mode()).steps
     )
     assert (out / "models" / "vanilla.pt").stat().st_mtime_ns == before
+    assert json.loads((out / "pipeline.json").read_text())["jobs"] == cpu_count()
+    # The timings table says what each step ran.
+    text = (out / "report.md").read_text()
+    assert ("| certify/msvp | certify msvp (lofast, lofast-fast, specformer, taylor; "
+            "8 points, radii) |") in text
 
 
 def test_missing_or_stale_outputs_rerun_only_their_steps(run_dir):
@@ -104,7 +121,8 @@ def test_missing_or_stale_outputs_rerun_only_their_steps(run_dir):
     ckpt = out / "models" / "vanilla.pt"  # its dependants are the cheap ones
     now = time.time_ns()
     os.utime(ckpt, ns=(now, now))  # as if vanilla were retrained just now
-    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast"])
+    r = CliRunner().invoke(main, ["pipeline", "--out", str(out), "--fast",
+                                  "--jobs", "1"])
     assert r.exit_code == 0, r.output
     assert (out / "tightness" / "network" / "tightness.csv").is_file()
     plan = build_plan(out, Settings.fast_mode())

@@ -345,3 +345,104 @@ def test_crown_bounds_sound(data):
         }
     r = T.network_tightness(m, x, [0.01], ["lofast", "crown"], pgd=PGD)
     assert "crown" in r.bounds and r.violations()["crown"] == 0
+
+
+# ------------------------------------------------------------------ margin drops
+
+
+def _standard(seed: int):
+    torch.manual_seed(seed)
+    return lipvit.ViT(lipvit.preset("digits-tiny", **SMALL)).double().eval()
+
+
+@pytest.mark.parametrize("which", ["lipschitz", 0, 1])
+def test_margin_bounds_sound_against_targeted_pgd(model, images, which):
+    """Every sound bound on every wrong-class margin drop lies above what a
+    targeted PGD attack finds on that margin (float64; a trained lipschitz
+    model and two random standard ViTs, whose taylor bound is second order)."""
+    from lipvit.analysis import margin_tightness as M
+
+    net = model if which == "lipschitz" else _standard(which)
+    x = images[:2] if which != "lipschitz" else images
+    r = M.margin_tightness(net, x, EPS, ["taylor", "lofast", "lofast-fast",
+                                         "specformer"], pgd=PGD)
+    K = net.config.num_classes
+    assert r.target == "margin" and r.pgd.shape == (len(EPS), x.shape[0] * (K - 1))
+    assert set(r.bounds) == {"taylor", "lofast", "lofast-fast", "specformer"}
+    assert np.all(r.pgd >= 0) and np.all(r.pgd[1] >= r.pgd[0] * 0.999)
+    assert r.pgd.max() > 0  # the attack moved the margins: the test has teeth
+    violations = r.violations()
+    assert all(violations[m] == 0 for m in ("taylor", "lofast", "specformer"))
+    # taylor's drop is capped by √2·δ_out: never above lofast's.
+    assert np.all(r.bounds["taylor"] <= r.bounds["lofast"] * (1 + 1e-9))
+    # At the small radius taylor's first-order term is nearly exact.
+    assert np.median(r.bounds["taylor"][0] / np.maximum(r.pgd[0], 1e-300)) < 3
+
+
+def test_margin_columns_are_the_wrong_classes(model, images):
+    """Column ``b·(K − 1) + i`` is image ``b``'s ``i``-th wrong class: the
+    targeted PGD drops of one image equal pgd_margin_drop's without column y."""
+    from lipvit.analysis import margin_tightness as M
+    from lipvit.analysis.pgd import pgd_margin_drop
+
+    x = images[:3]
+    r = M.margin_tightness(model, x, [0.05], ["lofast"], pgd=PGD)
+    y = model(x).argmax(1)
+    full = pgd_margin_drop(model, x, y, 0.05, steps=PGD.steps, restarts=PGD.restarts,
+                           seed=PGD.seed)  # (B, K)
+    K = full.shape[1]
+    for b in range(3):
+        wrong = [j for j in range(K) if j != y[b]]
+        np.testing.assert_allclose(r.pgd[0, b * (K - 1):(b + 1) * (K - 1)],
+                                   full[b, wrong].numpy())
+    lofast = r.bounds["lofast"][0].reshape(3, K - 1)
+    assert np.all(lofast == lofast[:, :1])  # √2·δ_out: one value per image
+
+
+def test_margin_figure_draws_medians(model, images):
+    """The lines of a margin figure are medians over the (image, class) pairs."""
+    from lipvit.analysis import margin_tightness as M
+
+    r = M.margin_tightness(model, images, EPS, ["taylor", "lofast"], pgd=PGD)
+    top, _ = T.tightness_figure(r).axes
+    drawn = [ln for ln in top.get_lines() if len(ln.get_xdata())]
+    np.testing.assert_allclose(drawn[0].get_ydata(),
+                               np.median(r.bounds["taylor"], axis=1))
+    np.testing.assert_allclose(drawn[-1].get_ydata(), np.median(r.pgd, axis=1))
+    assert "pairs" in top.get_title() and "margin" in top.get_ylabel()
+
+
+def test_off_scale_bounds_are_named_not_drawn():
+    """A bound above OFF_SCALE × PGD at every ε (SpecFormer's 1e23) is named in
+    the legend with its range; one that crosses the top is drawn and its
+    largest value given."""
+    eps = np.array([0.01, 0.1])
+    pgd = (np.array([1e-3, 1e-2]),) * 3
+    crossing = np.array([2e-3, 1e9])
+    bounds = {"tight": (np.array([2e-3, 3e-2]),) * 3, "crossing": (crossing,) * 3,
+              "huge": (np.array([1e23, 1e25]),) * 3}
+    top, _ = P.plot_tightness(eps, bounds, pgd).axes
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert "huge: off the scale, 1e+23–1e+25" in labels
+    assert "crossing (up to 1e+09, above the axis)" in labels
+    drawn = [ln for ln in top.get_lines() if len(ln.get_xdata())]
+    assert len(drawn) == 3  # tight, crossing, PGD
+    assert top.get_ylim()[1] == pytest.approx(P.OFF_SCALE * 1e-2)
+
+
+def test_margin_command(ckpt, tmp_path):
+    out = tmp_path / "m"
+    r = run("tightness", "--ckpt", ckpt, "--margin", "--eps", "0.01,0.05", "--n", "2",
+            "--pgd-steps", "10", "--pgd-restarts", "1", "--out", out)
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "tightness.json").read_text())
+    assert data["target"] == "margin" and data["n"] == 2 * 9
+    assert set(data["methods"]) == {"taylor", "lofast", "specformer"}
+    assert all(v == 0 for v in data["violations"].values())
+    with (out / "tightness.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {float(r["bound_median"]) <= float(r["bound_max"]) for r in rows} == {True}
+    assert_one_line_error(run("tightness", "--ckpt", ckpt, "--margin", "--network",
+                              "--out", tmp_path / "x"))
+    assert_one_line_error(run("tightness", "--ckpt", ckpt, "--margin", "--method",
+                              "naive", "--out", tmp_path / "y"))

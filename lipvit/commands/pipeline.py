@@ -71,7 +71,7 @@ class Settings:
     attack_n: int = 100
     attack_steps: int = 20
     certify_eps: str = "0.002,0.005,0.01,0.02,0.05"
-    certify_n: int = 100
+    certify_n: int = 40
     certify_methods: str = "lofast,lofast-fast,specformer,taylor"  # radii: gap figure
     radius_attacks: str = "pgd-l2,apgd-t,cw"  # attack radii of the lipschitz model
     radius_steps: int = 20
@@ -80,9 +80,12 @@ class Settings:
     crown_n: int = 5
     tightness_eps: str = "0.01,0.02,0.03,0.05,0.07,0.1"
     tightness_n: int = 10
-    tightness_pgd: tuple[int, int] = (200, 8)
+    tightness_pgd: tuple[int, int] = (100, 4)
     network_eps: str = "0.01,0.02,0.05,0.1"
     network_pgd: tuple[int, int] = (100, 4)
+    margin_eps: str = "0.005,0.01,0.02,0.05"
+    margin_n: int = 6
+    margin_pgd: tuple[int, int] = (50, 2)
     spectrum_n: int = 16
     spectrum_eps: str = "0.01,0.1"
     spectrum_pgd: tuple[int, int] = (50, 2)
@@ -100,6 +103,7 @@ class Settings:
             attack_eps="0.1,0.25,0.5,1.0",
             certify_eps="0.05,0.1,0.25,0.5",
             network_eps="0.05,0.1,0.25,0.5",
+            margin_eps="0.05,0.1,0.25,0.5",
         )
 
     @classmethod
@@ -124,6 +128,9 @@ class Settings:
             tightness_pgd=(10, 1),
             network_eps="0.01,0.1",
             network_pgd=(10, 1),
+            margin_eps="0.01,0.1",
+            margin_n=2,
+            margin_pgd=(5, 1),
             spectrum_n=3,
             spectrum_eps="0.01",
             spectrum_pgd=(5, 1),
@@ -291,7 +298,7 @@ def build_plan(
         add(
             Step(
                 f"attack/{name}",
-                f"attack {name}",
+                f"attack {name} ({s.attacks.replace(',', ', ')}; {s.attack_n} points)",
                 attack,
                 args,
                 (js, cs),
@@ -301,13 +308,14 @@ def build_plan(
     for name in ("lipschitz", "msvp"):
         ckpt = plan.model(name)
         js, cs = out / "certify" / f"{name}.json", out / "certify" / f"{name}.csv"
+        methods = "global" if hybrid and name == "lipschitz" else s.certify_methods
         args = (
             "--ckpt",
             str(ckpt),
             "--eps",
             s.certify_eps,
             "--method",
-            "global" if hybrid and name == "lipschitz" else s.certify_methods,
+            methods,
             "--radius",
             "--n",
             str(s.certify_n),
@@ -320,7 +328,8 @@ def build_plan(
         add(
             Step(
                 f"certify/{name}",
-                f"certify {name}",
+                f"certify {name} ({methods.replace(',', ', ')}; {s.certify_n} points, "
+                "radii)",
                 certify,
                 args,
                 (js, cs),
@@ -407,11 +416,16 @@ def build_plan(
          s.tightness_pgd),
         ("network", lip, ("--network", *network_methods), s.network_eps,
          s.network_pgd),
+        # The certificate that decides: each method's bound on every wrong-class
+        # margin's drop against targeted PGD, for both certified models.
+        ("margin-lipschitz", lip, ("--margin",), s.margin_eps, s.margin_pgd),
+        ("margin-msvp", plan.model("msvp"), ("--margin",), s.margin_eps,
+         s.margin_pgd),
     ):
         if hybrid and ckpt == lip:  # the hybrid has no LoFAST layer bounds
             continue
         d = out / "tightness" / key
-        name = "vanilla" if ckpt == vanilla else "lipschitz"
+        name = ckpt.stem
         args = (
             "--ckpt",
             str(ckpt),
@@ -419,7 +433,7 @@ def build_plan(
             "--eps",
             eps,
             "--n",
-            str(s.tightness_n),
+            str(s.margin_n if key.startswith("margin") else s.tightness_n),
             "--pgd-steps",
             str(steps),
             "--pgd-restarts",
@@ -537,6 +551,33 @@ def downstream_counts(deps: dict[str, set[str]]) -> dict[str, int]:
     return {key: len(reach(key, set())) for key in deps}
 
 
+COST_HINTS = {"train": 30.0, "certify": 100.0, "attack": 10.0, "tightness": 20.0,
+              "spectrum": 15.0, "plot": 2.0}
+"""Rough seconds of a step by its command (digits, one thread), for ordering
+the ready steps where no earlier run's timings are recorded."""
+
+
+def critical_paths(plan: Plan, deps: dict[str, set[str]],
+                   seconds: dict[str, float]) -> dict[str, float]:
+    """Each step's key → its cost plus the costliest chain of steps that wait on
+    it: how long the run lasts at least once it starts. Costs: ``seconds``
+    (an earlier run's timings) where recorded, else :data:`COST_HINTS`."""
+    users: dict[str, list[str]] = {key: [] for key in deps}
+    for key, needs in deps.items():
+        for need in needs:
+            users[need].append(key)
+    cost = {step.key: seconds.get(step.key, COST_HINTS.get(step.command.name, 10.0))
+            for step in plan.steps}
+    memo: dict[str, float] = {}
+
+    def chain(key: str) -> float:
+        if key not in memo:
+            memo[key] = cost[key] + max((chain(u) for u in users[key]), default=0.0)
+        return memo[key]
+
+    return {key: chain(key) for key in deps}
+
+
 def cpu_count() -> int:
     """CPUs this process may run on (the affinity mask where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
@@ -574,18 +615,22 @@ def _start(step: Step, args: list[str], number: int, status: str, log: Path,
 def run_parallel(
     plan: Plan, jobs: int, threads: int, *, force: bool,
     echo: Callable[[str], None], on_done: Callable[[Step, str, float], None],
+    seconds: dict[str, float] | None = None,
 ) -> None:
     """Run the plan's steps, up to ``jobs`` at once, each in its own process with
     ``threads`` CPU threads, a step once every step writing its inputs is done.
-    Among the ready steps, those more steps wait on go first (the lipschitz
-    model, which certification and the gap figure need, before the others),
-    then plan order. A failed step stops the others and raises ``LipvitError``
-    naming its log; a rerun resumes."""
+    Among the ready steps, the one with the costliest chain of steps waiting on
+    it goes first (:func:`critical_paths`, ``seconds`` an earlier run's
+    timings: the slow certificates start as soon as their model is trained),
+    then those more steps wait on, then plan order. A failed step stops the
+    others and raises ``LipvitError`` naming its log; a rerun resumes."""
     deps = step_dependencies(plan)
     number = {step.key: i for i, step in enumerate(plan.steps, 1)}
     waiting = downstream_counts(deps)
+    critical = critical_paths(plan, deps, seconds or {})
     total = len(plan.steps)
-    pending = sorted(plan.steps, key=lambda s: (-waiting[s.key], number[s.key]))
+    pending = sorted(plan.steps, key=lambda s: (-critical[s.key], -waiting[s.key],
+                                                number[s.key]))
     running, finished = [], set()
     try:
         while pending or running:
@@ -674,15 +719,18 @@ def run_plan(
     record = _load_timings(record_path) if not force else {}
     record.update(meta)
     steps = record.setdefault("steps", {})
+    earlier = {key: v["seconds"] for key, v in steps.items()
+               if isinstance(v, dict) and isinstance(v.get("seconds"), (int, float))}
     for step in plan.steps:
-        steps.setdefault(step.key, {})["command"] = step.line()
+        steps.setdefault(step.key, {}).update(command=step.line(), title=step.title)
 
     def on_done(step: Step, status: str, seconds: float) -> None:
         steps[step.key].update(seconds=seconds, status=status)
         C.write_json(record_path, record, force=True)
 
     if jobs > 1:
-        run_parallel(plan, jobs, job_threads, force=force, echo=echo, on_done=on_done)
+        run_parallel(plan, jobs, job_threads, force=force, echo=echo, on_done=on_done,
+                     seconds=earlier)
     else:
         for i, step in enumerate(plan.steps, 1):
             echo(f"[{i}/{len(plan.steps)}] {step.title}")
@@ -761,12 +809,12 @@ def run_plan(
 @click.option(
     "--jobs",
     type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
+    default=None,
     help="steps run at once, each in its own process (a step starts when the "
-    "steps it reads from are done; output in OUT/logs/). Each gets --threads, "
-    "or else an equal share of the CPUs: --jobs 2 on a 2-core machine trains "
-    "two models at a time on one thread each",
+    "steps it reads from are done; output in OUT/logs/); 1 runs them one after "
+    "the other in this process. Each gets --threads, or else an equal share of "
+    "the CPUs: a 2-core machine trains two models at a time on one thread each "
+    f"[default: the CPUs this process may use, {cpu_count()} here]",
 )
 @click.option(
     "--crown/--no-crown",
@@ -786,7 +834,7 @@ def pipeline(
     data_dir: Path | None,
     device: str,
     threads: int,
-    jobs: int,
+    jobs: int | None,
     crown: bool | None,
 ) -> None:
     """Train vanilla, MSVP and lipschitz ViTs, attack, certify, measure tightness and
@@ -795,6 +843,7 @@ def pipeline(
 
     from lipvit.analysis.tightness import crown_available
 
+    jobs = jobs or cpu_count()
     settings = Settings.fast_mode(dataset) if fast else Settings.for_dataset(dataset)
     overrides = {
         k: v

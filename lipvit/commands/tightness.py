@@ -18,10 +18,12 @@ CSV_COLUMNS = (
     "label",
     "eps",
     "bound_mean",
+    "bound_median",
     "bound_min",
     "bound_max",
     "bound_std",
     "pgd_mean",
+    "pgd_median",
     "pgd_min",
     "pgd_max",
     "ratio",
@@ -123,6 +125,13 @@ def write_outputs(
     help="bound the whole network (image to logits) instead of one layer",
 )
 @click.option(
+    "--margin",
+    is_flag=True,
+    help="bound every wrong-class margin's drop (image to margins f_y − f_j at "
+    "the predicted y), the quantity each certificate compares with the margin, "
+    "against targeted PGD on the same margin",
+)
+@click.option(
     "--eps",
     "eps_text",
     default=DEFAULT_EPS,
@@ -143,8 +152,9 @@ def write_outputs(
     default=None,
     help="comma list of bounds (layer: naive, lofast-xi, lofast, lofast-half, "
     "lofast-local, specformer, crown; network: lofast, lofast-fast, "
-    "specformer, crown). Default: all but crown (CROWN is slow; add it "
-    "by name where auto_LiRPA is installed)",
+    "specformer, crown; margin: taylor, lofast, lofast-fast, specformer, "
+    "crown). Default: all but crown (CROWN is slow; add it by name where "
+    "auto_LiRPA is installed) and, for --margin, lofast-fast",
 )
 @click.option(
     "--residual",
@@ -183,6 +193,7 @@ def tightness(
     ckpt: Path,
     layer: int | None,
     network: bool,
+    margin: bool,
     eps_text: str,
     methods_alias: str | None,
     methods_text: str | None,
@@ -200,7 +211,14 @@ def tightness(
     force: bool,
 ) -> None:
     """Upper bounds on the output deviation against the PGD lower bound, across eps
-    (LoFAST Fig. 1 and Table 3): mean and min-max over samples, ratio bound/PGD."""
+    (LoFAST Fig. 1 and Table 3): mean and min-max over samples, ratio bound/PGD.
+    With --margin: every certify method's bound on each wrong-class margin drop
+    against targeted PGD on that margin."""
+    from lipvit.analysis.margin_tightness import (
+        DEFAULT_MARGIN_METHODS,
+        MARGIN_METHODS,
+        margin_tightness,
+    )
     from lipvit.analysis.tightness import (
         DEFAULT_LAYER_METHODS,
         DEFAULT_NETWORK_METHODS,
@@ -212,15 +230,17 @@ def tightness(
         network_tightness,
     )
 
-    if network and layer is not None:
-        raise ValueError("give either --layer or --network, not both")
+    if network + margin + (layer is not None) > 1:
+        raise ValueError("give one of --layer, --network and --margin")
     if methods_alias is not None:
         if methods_text is not None:
             raise ValueError("give --method once (--methods is its old spelling)")
         click.echo("warning: --methods is deprecated; use --method", err=True)
         methods_text = methods_alias
-    registry = NETWORK_METHODS if network else LAYER_METHODS
-    defaults = DEFAULT_NETWORK_METHODS if network else DEFAULT_LAYER_METHODS
+    registry, defaults = (
+        (MARGIN_METHODS, DEFAULT_MARGIN_METHODS) if margin
+        else (NETWORK_METHODS, DEFAULT_NETWORK_METHODS) if network
+        else (LAYER_METHODS, DEFAULT_LAYER_METHODS))
     eps = C.parse_floats(eps_text, "eps")
     methods = (
         C.parse_names(methods_text, registry, "bound method")
@@ -237,9 +257,10 @@ def tightness(
     )
     x = data.x.to(torch.float64)
     C.warn_large_eps(eps, x.shape[1:])
-    if not network and layer is None:
+    whole = network or margin
+    if not whole and layer is None:
         layer = 0
-    if not network and layer >= len(model.blocks):
+    if not whole and layer >= len(model.blocks):
         raise ValueError(
             f"--layer must be a block index in 0..{len(model.blocks) - 1}, got {layer}"
         )
@@ -253,7 +274,10 @@ def tightness(
                 bar.update(1)  # the previous ε is done
             bar.set_description_str(stage)
 
-        if network:
+        if margin:
+            result = margin_tightness(model, x, eps, methods, pgd=pgd,
+                                      progress=progress)
+        elif network:
             result = network_tightness(
                 model, x, eps, methods, pgd=pgd, progress=progress
             )
