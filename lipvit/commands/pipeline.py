@@ -119,7 +119,7 @@ class Settings:
             attack_n=8,
             attack_steps=5,
             certify_eps="0.05,0.5",
-            certify_n=8,
+            certify_n=4,
             radius_attacks="pgd-l2,cw",
             radius_steps=5,
             crown_n=0,
