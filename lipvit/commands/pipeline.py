@@ -55,10 +55,10 @@ MODELS = ("vanilla", "msvp", "lipschitz")
 
 @dataclass(frozen=True)
 class Settings:
-    """Sizes of one pipeline run (defaults: a 2-core CPU in about 16 minutes on
-    digits, half of it certifying the standard model with ``taylor``'s
-    second-order models; on ``fashion-mnist`` training takes 30–40 minutes per
-    model on the 2-core CPU).
+    """Sizes of one pipeline run (defaults: about 4 minutes on digits on a 2-core
+    CPU, two steps at a time, most of it certifying the standard model with
+    ``taylor``'s second-order models on ``certify_n`` points; on
+    ``fashion-mnist`` training takes 30–40 minutes per model on the 2-core CPU).
 
     ``fast`` shrinks everything to a smoke test (about a minute on digits).
     """
