@@ -256,6 +256,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_heads=4,
         mlp_ratio=2.0,
     ),
+    # `lipvit pipeline --fast`'s smoke test: 4×4 patches (4 + 1 tokens) keep
+    # the MSVP model's second-order taylor models (n² per activation) cheap.
+    "digits-smoke": dict(
+        image_size=8,
+        in_chans=1,
+        patch_size=4,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+    ),
     "digits-small": dict(
         image_size=8,
         in_chans=1,

@@ -239,3 +239,29 @@ def full_jacobian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     J = torch.autograd.functional.jacobian(fn, x)
     out_numel = J.numel() // x.numel()
     return J.reshape(out_numel, x.numel())
+
+
+def share_jets(monkeypatch, cache: dict) -> None:
+    """Make ``lipvit.certify.jet_vit.JetMargins`` build each second-order model
+    once per ``cache``: the same weights, image, label and arguments give the
+    same (deterministic, after construction read-only) object, so tests whose
+    bounds need the same jets share them instead of rebuilding them."""
+    import hashlib
+
+    from lipvit.certify import jet_vit
+
+    build = jet_vit.JetMargins
+
+    def shared(model, x, y, *args, **kwargs):
+        weights = hashlib.sha256()
+        for name, t in model.state_dict().items():
+            weights.update(name.encode())
+            weights.update(t.detach().cpu().contiguous().numpy().tobytes())
+        key = (weights.hexdigest(), str(x.dtype), tuple(x.shape),
+               x.detach().cpu().contiguous().numpy().tobytes(), int(y), args,
+               tuple(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = build(model, x, y, *args, **kwargs)
+        return cache[key]
+
+    monkeypatch.setattr(jet_vit, "JetMargins", shared)

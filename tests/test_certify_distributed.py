@@ -66,6 +66,15 @@ def _certify(ckpt: Path, out: Path, ranks: int | None) -> subprocess.CompletedPr
     return result
 
 
+@pytest.fixture(scope="module")
+def single(ckpt, tmp_path_factory) -> Path:
+    """A single-process run's JSON (its CSV beside it), run once: the reference
+    the two-rank merge must equal and the run whose shard is resumed."""
+    out = tmp_path_factory.mktemp("certify_single") / "single.json"
+    _certify(ckpt, out, None)
+    return out
+
+
 def _without_timing(path: Path) -> dict:
     data = json.loads(path.read_text())
     for row in data["results"]:
@@ -90,9 +99,8 @@ def test_shards_are_whole_batches_in_order():
 
 
 @pytest.mark.slow
-def test_two_ranks_merge_equals_single_process(ckpt, tmp_path):
-    single, merged = tmp_path / "single.json", tmp_path / "merged.json"
-    _certify(ckpt, single, None)
+def test_two_ranks_merge_equals_single_process(ckpt, single, tmp_path):
+    merged = tmp_path / "merged.json"
     out = _certify(ckpt, merged, 2)
     assert _same(_without_timing(merged), _without_timing(single))
     assert (_csv_without_timing(merged.with_suffix(".csv"))
@@ -111,10 +119,8 @@ def test_shard_with_other_settings_is_not_reused(tmp_path):
 
 
 @pytest.mark.slow
-def test_existing_shard_is_reused(ckpt, tmp_path):
-    first = tmp_path / "first.json"
-    _certify(ckpt, first, None)
-    samples = json.loads(first.read_text())["samples"]
+def test_existing_shard_is_reused(ckpt, single, tmp_path):
+    samples = json.loads(single.read_text())["samples"]
     # Rank 1's shard (samples 6..9) left by an interrupted run; one certificate
     # is flipped, so the merged output shows whether the file was reused.
     loaded = load_checkpoint(ckpt)

@@ -136,12 +136,27 @@ def test_standard_logit_bounds_contain_sampled_and_attacked_points(standard):
 
 @pytest.mark.crown
 @needs_lirpa
-def test_standard_certified_points_survive_attacks(standard):
+def test_standard_certified_points_survive_attacks(standard, monkeypatch):
     model, x, y = standard
     prepared = crown.crown_model(model)
     bounded_ops = None
+    # crown_certify's CROWN margin bounds are the ones checked against PGD here
+    # (the same model, points, labels, ε, chunks and prepared model; CROWN has
+    # nothing to stop early): computed once, crown_certify decides from them.
+    bounds, computed = crown.crown_margin_bounds, {}
+
+    def margin_bounds_once(model_, x_, y_, eps_, **kw):
+        kw.pop("stop_when_positive", None)
+        if (model_ is model and x_ is x and y_ is y and eps_ in computed
+                and kw.get("method", "CROWN") == "CROWN"
+                and kw.get("prepared") is prepared
+                and kw.get("chunk_size", 2) == 2):
+            return computed[eps_]
+        return bounds(model_, x_, y_, eps_, **kw)
+
+    monkeypatch.setattr(crown, "crown_margin_bounds", margin_bounds_once)
     for eps in (0.002, 0.02):
-        mlb = crown.crown_margin_bounds(model, x, y, eps, prepared=prepared)
+        mlb = computed[eps] = bounds(model, x, y, eps, prepared=prepared)
         for j in range(10):
             def margin_j(z, j=j):
                 out = model(z)

@@ -283,7 +283,7 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
         epochs = [s.args[s.args.index("--epochs") + 1] for s in trains
                   if "--epochs" in s.args]
         assert epochs == ([] if settings == full else ["1"] * 3)
-    assert Settings.fast_mode().preset == "digits-tiny"  # digits: as before
+    assert Settings.fast_mode().preset == "digits-smoke"  # digits: as before
     assert Settings.for_dataset("digits") == Settings()
     digits = build_plan(tmp_path, Settings(), dataset="digits")
     assert len([s for s in digits.steps if s.train]) == 3

@@ -17,7 +17,7 @@ from torch.func import jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lipvit.model import ViT
-from tests.conftest import nonlinear_model, tiny_config
+from tests.conftest import nonlinear_model, share_jets, tiny_config
 
 F64 = torch.float64
 Tensor = torch.Tensor
@@ -192,9 +192,19 @@ def test_margin_jet_is_the_second_order_taylor_polynomial(seed):
     assert torch.allclose(jm.hessian, H, atol=1e-9 * (1 + H.abs().max()))
 
 
+@pytest.fixture(scope="module")
+def jets_cache() -> dict:
+    """Second-order models built once for this module (see
+    :func:`tests.conftest.share_jets`): the margin tests' images are the first
+    of the taylor tests' (the same models, seeds and labels), and the jets do
+    not depend on ε."""
+    return {}
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("eps", [0.02, 0.1])
-def test_margin_rest_and_drop_bound_pgd(seed, eps):
+def test_margin_rest_and_drop_bound_pgd(seed, eps, monkeypatch, jets_cache):
+    share_jets(monkeypatch, jets_cache)
     model = nonlinear_model("standard", seed)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -251,7 +261,9 @@ def test_quadratic_minimum_is_a_tight_lower_bound(seed, case, eps):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_taylor_with_jets_certifies_no_less_and_survives_pgd(seed, monkeypatch):
+def test_taylor_with_jets_certifies_no_less_and_survives_pgd(seed, monkeypatch,
+                                                            jets_cache):
+    share_jets(monkeypatch, jets_cache)
     model = nonlinear_model("standard", seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(3, 1, 8, 8, generator=g, dtype=F64)
@@ -297,10 +309,11 @@ def test_supports_and_memory_estimate():
     assert 0 < jm.back.nbytes() <= jet_vit.jet_bytes(model)
 
 
-def test_jets_are_built_only_within_the_memory_budget():
+def test_jets_are_built_only_within_the_memory_budget(monkeypatch, jets_cache):
     """``--max-memory`` holds for the second-order models too: where one
     sample's (``jet_bytes`` beside the tangents' ``min_memory``) does not fit,
     ``taylor`` builds none and certifies without them (smaller, still sound)."""
+    share_jets(monkeypatch, jets_cache)
     model = nonlinear_model("standard", 0)
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
     with torch.no_grad():

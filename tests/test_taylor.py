@@ -55,7 +55,7 @@ from lipvit.cli import main
 from lipvit.errors import UnsupportedModelError
 from lipvit.layers import layer_project
 from lipvit.model import ViT
-from tests.conftest import nonlinear_model, tiny_config
+from tests.conftest import nonlinear_model, share_jets, tiny_config
 
 F64 = torch.float64
 SEEDS = range(2)
@@ -685,6 +685,16 @@ def test_forward_is_the_model(family, seed):
         assert torch.allclose(forward(model, x)[0], model(x), rtol=0, atol=1e-12)
 
 
+@pytest.fixture(scope="module")
+def margin_drop_shared() -> dict:
+    """What the exact and the large-model (``exact: False``) cases of one model
+    have in common, computed once: PGD's margin drops (pgd_margin_drop is
+    deterministic: a private seeded generator) and the images' second-order
+    models (:class:`~lipvit.certify.jet_vit.JetMargins`, which neither the
+    exact sub-block norms nor the patch-block bounds enter)."""
+    return {"pgd": {}, "jets": {}}
+
+
 @pytest.mark.parametrize(
     "family, kw",
     [
@@ -699,20 +709,26 @@ def test_forward_is_the_model(family, seed):
     ],
 )
 @pytest.mark.parametrize("seed", range(2))
-def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed, monkeypatch):
+def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed, monkeypatch,
+                                                      margin_drop_shared):
     kw = dict(kw)
     if not kw.pop("exact", True):  # large models: product and patch-block bounds
         monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
         monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
         monkeypatch.setattr("lipvit.certify.subblock.WEIGHTED_SHARE", 0.0)
     model = _model(family, seed, **kw)
+    key = (family, seed, tuple(sorted(kw.items())))  # the model, whatever exact is
+    share_jets(monkeypatch, margin_drop_shared["jets"])
     x = torch.rand(3, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         y = model(x).argmax(1)
     tb = taylor_bound(model, x, y)
     for eps in (1e-3, 1e-2, 0.1):
         drop = tb.margin_drop(eps)  # (B, K)
-        pgd = pgd_margin_drop(model, x, y, eps, steps=40, restarts=2)
+        if (*key, eps) not in margin_drop_shared["pgd"]:
+            margin_drop_shared["pgd"][(*key, eps)] = pgd_margin_drop(
+                model, x, y, eps, steps=40, restarts=2)
+        pgd = margin_drop_shared["pgd"][(*key, eps)]
         assert torch.all(pgd <= drop), (eps, pgd, drop)
         # The Taylor parts alone (without the √2 δ_out cap) are bounds too, each.
         e = torch.full((3,), eps, dtype=F64)
@@ -908,7 +924,9 @@ def ckpt(trained_ckpts):
     return trained_ckpts["lipschitz"]
 
 
-def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits):
+def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits, monkeypatch):
+    from lipvit.certify import evaluate
+
     from lipvit.checkpoint import load_checkpoint
 
     model = load_checkpoint(ckpt).model.double().eval()
@@ -918,7 +936,21 @@ def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits):
     assert (radii > 0).sum() >= 3, "the model should certify some points"
     assert torch.all(tb.certified(radii)[radii > 0])
     eps = float(radii[radii > 0].median())
+    # certify_samples' taylor certificates at ε come from the bound of the same
+    # model, points and labels (default settings): the one above, built once.
+    build, shared = evaluate.taylor_bound, []
+
+    def taylor_bound_once(m, xs, ys, **kw):
+        if (torch.equal(xs, x) and torch.equal(ys, y)
+                and all(v is None for v in kw.values())):
+            shared.append(True)
+            return tb
+        return build(m, xs, ys, **kw)
+
+    monkeypatch.setattr(evaluate, "taylor_bound", taylor_bound_once)
     report = certify_samples(model, x, y, ["taylor", "lofast"], [eps])
+    assert shared == [True]
+    monkeypatch.undo()
     cert = report.certified[f"taylor@{eps}"]
     assert torch.all(cert >= report.certified[f"lofast@{eps}"])
     xs, ys = x[cert].float(), y[cert]
@@ -1038,10 +1070,19 @@ def test_subblock_norms_are_exact(family):
                                                       getattr(sub, f), strict=True))
 
 
+@pytest.fixture(scope="module")
+def token_pgd() -> dict:
+    """PGD's deviations by (family, seed, ε, stream state, token): the attacks do
+    not depend on ``exact`` (the same model, points and ε, and pgd_deviation's
+    private seeded generator), so the exact and the large-model budgets are
+    checked against the same attacks, run once."""
+    return {}
+
+
 @pytest.mark.parametrize("family, exact", [("standard", True), ("standard", False),
                                            ("lipschitz", True), ("lipschitz", False)])
 @pytest.mark.parametrize("seed", range(2))
-def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
+def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch, token_pgd):
     """Every stream state's whole and per-token budgets (``acc_token``, the exact
     sub-block norms, the attention's row bounds, the Lipschitz recursion) exceed
     what PGD finds; a lipschitz block's 1-Lipschitz ``SLL∘P₂`` never lets a
@@ -1055,19 +1096,26 @@ def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch):
     with torch.no_grad():
         y = model(x).argmax(1)
     tb = taylor_bound(model, x, y)
+
+    def attack(eps, m, t, fn):
+        key = (family, seed, eps, m, t)
+        if key not in token_pgd:
+            token_pgd[key] = pgd_deviation(fn, x, eps, steps=30, restarts=2)
+        return token_pgd[key]
+
     for eps in (1e-3, 3e-2):
         _, budgets, _ = tb.walk(torch.full((2,), eps, dtype=F64))
         for m, budget in enumerate(budgets):
             for t in (0, 7):
                 def token(v, m=m, t=t):
                     return forward(model, v)[1].stream[m][:, t]
-                found = pgd_deviation(token, x, eps, steps=30, restarts=2)
+                found = attack(eps, m, t, token)
                 assert torch.all(found <= budget.token[:, t] * (1 + 1e-9)), (eps, m, t)
                 assert torch.all(budget.token[:, t] <= budget.all * (1 + 1e-12))
             if eps == 3e-2:  # the whole matrix, at the larger ε
                 def whole(v, m=m):
                     return forward(model, v)[1].stream[m].flatten(1)
-                found = pgd_deviation(whole, x, eps, steps=30, restarts=2)
+                found = attack(eps, m, "all", whole)
                 assert torch.all(found <= budget.all * (1 + 1e-9)), (eps, m)
         if family == "lipschitz":
             for mid, out in zip(budgets[1::2], budgets[2::2], strict=True):

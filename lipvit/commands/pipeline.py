@@ -60,7 +60,7 @@ class Settings:
     ``taylor``'s second-order models on ``certify_n`` points; on
     ``fashion-mnist`` training takes 30–40 minutes per model on the 2-core CPU).
 
-    ``fast`` shrinks everything to a smoke test (about a minute on digits).
+    ``fast`` shrinks everything to a smoke test (seconds on digits).
     """
 
     epochs: int | None = None  # None: `lipvit train`'s per-family defaults
@@ -113,13 +113,13 @@ class Settings:
         digits = dataset == "digits"
         return cls(
             epochs=2 if digits else 1,
-            preset="digits-tiny" if digits else None,
+            preset="digits-smoke" if digits else None,
             attacks="pgd-l2",
             attack_eps="0.5",
             attack_n=8,
             attack_steps=5,
             certify_eps="0.05,0.5",
-            certify_n=4,
+            certify_n=8,
             radius_attacks="pgd-l2,cw",
             radius_steps=5,
             crown_n=0,
@@ -757,7 +757,8 @@ def run_plan(
 @click.option(
     "--fast",
     is_flag=True,
-    help="smoke-test sizes (2 epochs, a handful of samples): about a minute",
+    help="smoke-test sizes (2 epochs of digits-smoke models on digits, a handful "
+    "of samples): seconds",
 )
 @click.option(
     "--preset",
