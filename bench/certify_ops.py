@@ -26,10 +26,10 @@ import time
 from datetime import datetime, timezone
 
 import torch
+from lipvit.certify.evaluate import certify_samples
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lipvit
-from lipvit.certify.evaluate import certify_samples
 
 
 class OpCounter(TorchDispatchMode):
