@@ -78,7 +78,8 @@ def main() -> None:
           f"eps {args.eps}, --radius, {args.threads} thread(s)")
     print(f"machine: {platform.platform()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"{'batch':>5}  {'ops/sample':>11}  {'ratio':>6}  {'s/sample':>9}  {'ratio':>6}")
+    print(f"{'batch':>5}  {'ops/sample':>11}  {'ratio':>6}  {'s/sample':>9}  "
+          f"{'ratio':>6}")
     base = None
     for b in batches:
         ops, seconds = measure(model, x_all[:b], y_all[:b], args.method, args.eps)
