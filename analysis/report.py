@@ -374,6 +374,12 @@ def _commands(report: Report, commands: Mapping[str, str], keys: Sequence[str]) 
         report.code(lines)
 
 
+def _tightness_results(out: Path, keys: Sequence[str]) -> list[tuple[str, Any]]:
+    """``(key, tightness.json)`` of the runs under ``out/tightness/`` that exist."""
+    found = [(key, _read(out / "tightness" / key / "tightness.json")) for key in keys]
+    return [(key, data) for key, data in found if data]
+
+
 def _tightness_part(rep: Report, data: Mapping[str, Any], pgd: str,
                     centre: str) -> None:
     """A tightness result's description, notes, table and soundness warning."""
@@ -549,11 +555,8 @@ def pipeline_report(
         _commands(rep, commands, ["attack/radius", "plot/gap"])
 
     # Tightness.
-    parts = [
-        (key, _read(out / "tightness" / key / "tightness.json"))
-        for key in ("layer", "layer-residual", "layer-vanilla", "network")
-    ]
-    parts = [(k, v) for k, v in parts if v]
+    parts = _tightness_results(out, ("layer", "layer-residual", "layer-vanilla",
+                                     "network"))
     if parts:
         rep.heading("Tightness of the bounds")
         rep.text(
@@ -595,9 +598,7 @@ def pipeline_report(
         _commands(rep, commands, [f"tightness/{k}" for k, _ in parts])
 
     # The certificate that decides.
-    margins = [(name, _read(out / "tightness" / f"margin-{name}" / "tightness.json"))
-               for name in ("lipschitz", "msvp")]
-    margins = [(k, v) for k, v in margins if v]
+    margins = _tightness_results(out, ("margin-lipschitz", "margin-msvp"))
     if margins:
         rep.heading("Tightness of the certificate that decides")
         rep.text(
@@ -610,13 +611,14 @@ def pipeline_report(
             "bound). `taylor` bounds each margin on its own; `lofast` and "
             "`specformer` bound the whole logit vector, √2·δ_out for every margin."
         )
-        for name, data in margins:
+        for key, data in margins:
+            name = key.removeprefix("margin-")
             rep.heading(f"{name} model", 3)
             _tightness_part(rep, data, "targeted PGD per pair,", "median")
-            fig = out / "tightness" / f"margin-{name}" / "tightness.png"
+            fig = out / "tightness" / key / "tightness.png"
             if fig.exists():
                 rep.image(fig, f"margin-drop tightness ({name})")
-        _commands(rep, commands, [f"tightness/margin-{k}" for k, _ in margins])
+        _commands(rep, commands, [f"tightness/{k}" for k, _ in margins])
 
     # Spectrum.
     spec = _read(out / "spectrum" / "spectrum.json")
