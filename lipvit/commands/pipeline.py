@@ -401,26 +401,20 @@ def build_plan(
         ("--method", "lofast,lofast-fast,specformer,crown") if crown else ()
     )
     vanilla = plan.model("vanilla")
-    for key, ckpt, extra, eps, (steps, restarts) in (
-        ("layer", lip, ("--layer", "0"), s.tightness_eps, s.tightness_pgd),
-        (
-            "layer-residual",
-            lip,
-            ("--layer", "0", "--residual", "on"),
-            s.tightness_eps,
-            s.tightness_pgd,
-        ),
+    layer = (s.tightness_eps, s.tightness_n, s.tightness_pgd)
+    margin = (s.margin_eps, s.margin_n, s.margin_pgd)
+    for key, ckpt, extra, (eps, n, (steps, restarts)) in (
+        ("layer", lip, ("--layer", "0"), layer),
+        ("layer-residual", lip, ("--layer", "0", "--residual", "on"), layer),
         # MSVP makes the lipschitz model's attention uniform (a degenerate
         # layer); the vanilla model's is not.
-        ("layer-vanilla", vanilla, ("--layer", "0"), s.tightness_eps,
-         s.tightness_pgd),
-        ("network", lip, ("--network", *network_methods), s.network_eps,
-         s.network_pgd),
+        ("layer-vanilla", vanilla, ("--layer", "0"), layer),
+        ("network", lip, ("--network", *network_methods),
+         (s.network_eps, s.tightness_n, s.network_pgd)),
         # The certificate that decides: each method's bound on every wrong-class
         # margin's drop against targeted PGD, for both certified models.
-        ("margin-lipschitz", lip, ("--margin",), s.margin_eps, s.margin_pgd),
-        ("margin-msvp", plan.model("msvp"), ("--margin",), s.margin_eps,
-         s.margin_pgd),
+        ("margin-lipschitz", lip, ("--margin",), margin),
+        ("margin-msvp", plan.model("msvp"), ("--margin",), margin),
     ):
         if hybrid and ckpt == lip:  # the hybrid has no LoFAST layer bounds
             continue
@@ -433,7 +427,7 @@ def build_plan(
             "--eps",
             eps,
             "--n",
-            str(s.margin_n if key.startswith("margin") else s.tightness_n),
+            str(n),
             "--pgd-steps",
             str(steps),
             "--pgd-restarts",
@@ -535,12 +529,18 @@ def step_dependencies(plan: Plan) -> dict[str, set[str]]:
             for step in plan.steps}
 
 
-def downstream_counts(deps: dict[str, set[str]]) -> dict[str, int]:
-    """Each step's key → how many steps need it, directly or through others."""
+def _users(deps: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each step's key → the keys of the steps that read its outputs."""
     users: dict[str, set[str]] = {key: set() for key in deps}
     for key, needs in deps.items():
         for need in needs:
             users[need].add(key)
+    return users
+
+
+def downstream_counts(deps: dict[str, set[str]]) -> dict[str, int]:
+    """Each step's key → how many steps need it, directly or through others."""
+    users = _users(deps)
 
     def reach(key: str, seen: set[str]) -> set[str]:
         for user in users[key] - seen:
@@ -562,10 +562,7 @@ def critical_paths(plan: Plan, deps: dict[str, set[str]],
     """Each step's key → its cost plus the costliest chain of steps that wait on
     it: how long the run lasts at least once it starts. Costs: ``seconds``
     (an earlier run's timings) where recorded, else :data:`COST_HINTS`."""
-    users: dict[str, list[str]] = {key: [] for key in deps}
-    for key, needs in deps.items():
-        for need in needs:
-            users[need].append(key)
+    users = _users(deps)
     cost = {step.key: seconds.get(step.key, COST_HINTS.get(step.command.name, 10.0))
             for step in plan.steps}
     memo: dict[str, float] = {}
