@@ -482,6 +482,9 @@ def pipeline_report(
             "through the local LayerNorm constants (docs/math.md §6)."
         )
         if certs:
+            rep.text("Test points certified: " + ", ".join(
+                f"{name} n = {d.get('n')} (clean accuracy "
+                f"{pct(d.get('clean_accuracy'))})" for name, d in certs.items()) + ".")
             rep.table(*certify_table(certs))
         rrows = [row for name, data in certs.items() for row in radius_rows(name, data)]
         if rrows:

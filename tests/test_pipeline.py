@@ -73,6 +73,8 @@ def test_report_tables_links_and_commands(run_dir):
     # Every certified-accuracy figure says what each of its methods bounds.
     assert text.count("what each method bounds — ") == 3  # 2 certified, the gap
     assert "`taylor`: each wrong-class margin" in text
+    assert re.search(r"Test points certified: lipschitz n = 8 \(clean accuracy "
+                     r"[\d.]+ %\), msvp n = 8", text)
     assert "`lofast`: the logit vector (√2·δ_out)" in text
     assert "certify/gap.png" in links
     assert "| lofast | correct |" in text  # the gap table
