@@ -58,13 +58,18 @@ class MemoryBudgetError(LipvitError):
     """The memory budget cannot hold even the smallest chunk of work."""
 
 
+def physical_memory() -> int | None:
+    """Bytes of physical memory, ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def default_max_memory() -> int:
     """:data:`DEFAULT_MAX_MEMORY`, or a sixth of the physical memory if smaller."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return DEFAULT_MAX_MEMORY
-    return min(DEFAULT_MAX_MEMORY, total // 6)
+    total = physical_memory()
+    return DEFAULT_MAX_MEMORY if total is None else min(DEFAULT_MAX_MEMORY, total // 6)
 
 
 def memory_budget(max_memory: int | None) -> int:

@@ -99,8 +99,9 @@ def test_report_tables_links_and_commands(run_dir):
 
 
 def test_second_run_skips_everything(run_dir):
-    """Without --jobs: as many steps at a time as there are CPUs."""
-    from lipvit.commands.pipeline import cpu_count
+    """Without --jobs: as many steps at a time as there are CPUs (fewer where
+    the memory holds fewer steps)."""
+    from lipvit.commands.pipeline import default_jobs
 
     out, _ = run_dir
     before = (out / "models" / "vanilla.pt").stat().st_mtime_ns
@@ -110,7 +111,7 @@ def test_second_run_skips_everything(run_dir):
         build_plan(out, Settings.fast_mode()).steps
     )
     assert (out / "models" / "vanilla.pt").stat().st_mtime_ns == before
-    assert json.loads((out / "pipeline.json").read_text())["jobs"] == cpu_count()
+    assert json.loads((out / "pipeline.json").read_text())["jobs"] == default_jobs()
     # The timings table says what each step ran.
     text = (out / "report.md").read_text()
     assert ("| certify/msvp | certify msvp (lofast, lofast-fast, specformer, taylor; "
@@ -177,6 +178,24 @@ def test_jobs_rerun_in_parallel_processes_after_their_inputs(run_dir):
     assert all(step.done() for step in plan.steps)
     record = json.loads((out / "pipeline.json").read_text())
     assert record["jobs"] == 2 and record["steps"]["spectrum"]["status"] == "ran"
+
+
+def test_default_jobs_are_the_cpus_the_memory_holds(monkeypatch):
+    import importlib
+
+    from lipvit.certify import tangents
+
+    P = importlib.import_module("lipvit.commands.pipeline")  # not the command
+
+    monkeypatch.setattr(P, "cpu_count", lambda: 16)
+    monkeypatch.setattr(tangents, "physical_memory", lambda: 16 * 2**30)
+    assert P.default_jobs() == 5  # 16 GiB hold five steps of 3 GiB
+    monkeypatch.setattr(tangents, "physical_memory", lambda: 256 * 2**30)
+    assert P.default_jobs() == 16
+    monkeypatch.setattr(tangents, "physical_memory", lambda: 2**30)
+    assert P.default_jobs() == 1
+    monkeypatch.setattr(tangents, "physical_memory", lambda: None)
+    assert P.default_jobs() == 16
 
 
 def test_jobs_start_the_model_most_steps_wait_on():
