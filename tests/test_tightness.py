@@ -345,6 +345,12 @@ def test_crown_bounds_sound(data):
         }
     r = T.network_tightness(m, x, [0.01], ["lofast", "crown"], pgd=PGD)
     assert "crown" in r.bounds and r.violations()["crown"] == 0
+    # CROWN's margin bounds as margin drops: above targeted PGD on every pair.
+    from lipvit.analysis.margin_tightness import margin_tightness
+
+    r = margin_tightness(m, x, [0.01, 0.05], ["crown"], pgd=PGD)
+    assert "crown" in r.bounds and r.violations()["crown"] == 0
+    assert r.pgd.max() > 0 and np.all(np.isfinite(r.bounds["crown"]))
 
 
 # ------------------------------------------------------------------ margin drops
