@@ -12,8 +12,11 @@
 #
 # Steps: the CUDA tests; the dense eigenproblems on the host against cuSOLVER
 # (lipvit.spectral.HOST_LINALG_MAX, --host-linalg-max 0 the baseline) in the
-# same run; `lipvit certify --method taylor --radius` on CKPT (skipped
-# without); batch 8 at 3×128; a profile of one certificate.
+# same run; `lipvit certify --method taylor --radius` on CKPT over SAMPLES
+# test images (default 20; 10000 is the whole Fashion-MNIST test set, give it
+# CERTIFY_S seconds) (skipped without); `taylor` at 3×128 on batches of 1 and
+# 64, both families (issue 47's ≤ 0.1 s per sample); a profile of one
+# certificate.
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -29,13 +32,14 @@ for K in 1024 0; do
         --presets fmnist-3x64 cifar-lofast-3x128 2>&1 | tee "$OUT/taylor_scale_host$K.md"
 done
 if [ $# -ge 2 ]; then
-    timeout 100 python3 -m lipvit certify --ckpt "$1" --data-dir "$2" --device cuda \
-        --method taylor --eps 0.05,0.1,0.25,0.5 --samples 20 --batch-size 20 --radius \
+    timeout "${CERTIFY_S:-100}" python3 -m lipvit certify --ckpt "$1" --data-dir "$2" \
+        --device cuda --method taylor --eps 0.05,0.1,0.25,0.5 --samples "${SAMPLES:-20}" \
+        --batch-size 64 --radius \
         --json "$OUT/certify-cuda.json" 2>&1 | tr '\r' '\n' | grep -v "it/s" \
         | tee "$OUT/certify.log" | tail -12
 fi
-timeout 120 python3 bench/taylor_scale.py --device cuda --no-flops \
-    --presets cifar-lofast-3x128 --families standard --batch 8 2>&1 \
-    | tee "$OUT/taylor_scale_batch8.md"
+timeout 240 python3 bench/taylor_scale.py --device cuda --no-flops \
+    --presets cifar-lofast-3x128 --batch 1 64 2>&1 \
+    | tee "$OUT/taylor_scale_batch64.md"
 timeout 45 python3 bench/taylor_scale.py --device cuda --profile fmnist-3x64 lipschitz \
     > "$OUT/profile.txt" 2>&1; grep "^# profile" "$OUT/profile.txt"

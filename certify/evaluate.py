@@ -31,6 +31,7 @@ from lipvit.certify.eps import check_eps_list
 from lipvit.certify.global_bound import check_global, global_constant, global_radius
 from lipvit.certify.network import METHODS as BOUND_METHODS
 from lipvit.certify.network import network_bound
+from lipvit.certify import sites
 from lipvit.certify.tangents import taylor_batch
 from lipvit.certify.taylor import taylor_bound
 from torch import Tensor
@@ -170,7 +171,7 @@ def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, max_symbols, 
     (and radius) for the whole batch, as the other methods do."""
     oks: dict[float, list[Tensor]] = {eps: [] for eps in eps_list}
     rs = []
-    for part in _batches(len(x), taylor_batch(model, max_memory)):
+    for part in _batches(len(x), taylor_batch(model, max_memory, sites.EXACT_GRAM_MAX)):
         t0 = time.perf_counter()
         tb = taylor_bound(model, x[part], y[part], max_memory=max_memory,
                           max_symbols=max_symbols)

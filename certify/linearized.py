@@ -1,4 +1,4 @@
-"""The network linearised at one clean point: tangents pushed in batches.
+"""The network linearised at a batch of clean points: tangents pushed in batches.
 
 ``taylor``'s exact quantities are all of one kind: the clean point's Jacobian
 applied to many tangents (the image's ``n`` basis vectors for
@@ -6,10 +6,12 @@ applied to many tangents (the image's ``n`` basis vectors for
 :mod:`lipvit.certify.symbols`). Forward-mode AD through the model recomputes
 the clean forward pass for every tangent and routes the attention through
 small batched products; :class:`Linearized` computes the clean pass **once**
-per sample, keeps what the Jacobian needs (the token norms of each
-projection, the LayerNorm statistics, each head's ``Q``, ``K``, ``V`` and
-softmax ``P``, each activation's derivative) and applies the Jacobian to a
-batch of ``c`` tangents ``(c, N, D)`` with large matrix products.
+for a batch of ``B`` images, keeps what the Jacobian needs (the token norms
+of each projection, the LayerNorm statistics, each head's ``Q``, ``K``, ``V``
+and softmax ``P``, each activation's derivative) and applies each sample's
+Jacobian to its ``c`` tangents, ``(B, c, N, D)`` in all, with one large
+matrix product per operation for the whole batch (on a GPU each operation is
+a kernel launch: their number per sample falls as ``1/B``).
 
 The maps are the derivatives of exactly what :func:`lipvit.certify.sites.forward`
 computes (tested against forward-mode AD to float rounding):
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,21 +46,22 @@ from lipvit.layers import LayerProject
 from lipvit.model import ViT
 
 Visit = Callable[[str, int, Tensor], None]
-"""``(kind, index, tangents)``: ``kind`` is ``"stream"`` (index ``m``, ``(c, N, D)``),
-``"attn_in"``, ``"logits"`` (``(c, H, N, N)``), ``"queries"`` and ``"keys"``
-(``(c, H, N, d)``: ``p W_q[h]``, ``p W_k[h]``) or ``"act_in"`` (``(c, N, m)``),
-each indexed by block."""
+"""``(kind, index, tangents)``: ``kind`` is ``"stream"`` (index ``m``, ``(B, c, N,
+D)``), ``"attn_in"``, ``"logits"`` (``(B, c, H, N, N)``), ``"queries"`` and
+``"keys"`` (``(B, c, H, N, d)``: ``p W_q[h]``, ``p W_k[h]``) or ``"act_in"``
+(``(B, c, N, m)``), each indexed by block."""
 
 
 def _project_tangent(x: Tensor, radius: float, mode: str) -> Callable[[Tensor], Tensor]:
-    """Jacobian of :func:`lipvit.layers.layer_project` at ``x`` ``(N, D)``."""
+    """Jacobian of :func:`lipvit.layers.layer_project` at ``x`` ``(B, N, D)``,
+    applied to tangents ``(B, c, N, D)``."""
     dims = (-1,) if mode == "token" else (-2, -1)
-    norm = torch.linalg.vector_norm(x, dim=dims, keepdim=True)  # (N, 1) or (1, 1)
+    norm = torch.linalg.vector_norm(x, dim=dims, keepdim=True)[:, None]  # (B, 1, N|1, 1)
     outside = norm >= radius  # autograd's clamp_min passes the gradient at equality
-    x_hat = x / norm
+    x_hat = x[:, None] / norm  # (B, 1, N, D)
     scale = torch.where(outside, radius / norm, torch.ones_like(norm))
 
-    def apply(T: Tensor) -> Tensor:  # (c, N, D)
+    def apply(T: Tensor) -> Tensor:  # (B, c, N, D)
         radial = (T * x_hat).sum(dim=dims, keepdim=True)
         return scale * (T - torch.where(outside, radial, 0.0) * x_hat)
 
@@ -66,11 +69,12 @@ def _project_tangent(x: Tensor, radius: float, mode: str) -> Callable[[Tensor], 
 
 
 def _layernorm_tangent(ln, x: Tensor) -> Callable[[Tensor], Tensor]:
-    """Jacobian of ``nn.LayerNorm`` ``ln`` at ``x`` ``(N, D)`` (module docstring)."""
+    """Jacobian of ``nn.LayerNorm`` ``ln`` at ``x`` ``(B, N, D)`` (module
+    docstring), applied to tangents ``(B, c, N, D)``."""
     D = x.shape[-1]
-    c = x - x.mean(-1, keepdim=True)  # (N, D)
-    sigma = ((c * c).mean(-1, keepdim=True) + ln.eps).sqrt()  # (N, 1)
-    gamma = ln.weight if ln.weight is not None else torch.ones_like(c[0])
+    c = (x - x.mean(-1, keepdim=True))[:, None]  # (B, 1, N, D)
+    sigma = ((c * c).mean(-1, keepdim=True) + ln.eps).sqrt()  # (B, 1, N, 1)
+    gamma = ln.weight if ln.weight is not None else torch.ones_like(x[0, 0])
 
     def apply(T: Tensor) -> Tensor:
         dc = T - T.mean(-1, keepdim=True)
@@ -88,28 +92,38 @@ def _norm_tangent(norm, x: Tensor) -> Callable[[Tensor], Tensor]:
 
 @dataclass
 class _Block:
-    """What block ``k``'s Jacobian needs at the clean point."""
+    """What block ``k``'s Jacobian needs at the clean points of a batch of ``B``."""
 
     norm1: Callable[[Tensor], Tensor]
     norm2: Callable[[Tensor], Tensor]
     W_qkv: Tensor  # (D, 3·H·d): the q, k, v maps side by side, heads inside
     W_o: Tensor  # (H·d, D)
-    Q_t: Tensor  # (H, d, N): Qᵀ/√d
-    K_t: Tensor  # (H, d, N): Kᵀ/√d
-    V: Tensor  # (H, N, d), without b_v: dP's rows sum to 0, so dP 1b_vᵀ = 0
-    P: Tensor  # (H, N, N)
-    PV: Tensor  # (H, N, d)
+    Q_t: Tensor  # (B, H, d, N): Qᵀ/√d
+    K_t: Tensor  # (B, H, d, N): Kᵀ/√d
+    V: Tensor  # (B, H, N, d), without b_v: dP's rows sum to 0, so dP 1b_vᵀ = 0
+    P: Tensor  # (B, H, N, N)
+    PV: Tensor  # (B, H, N, d)
     W1: Tensor  # (m, D)
-    slope: Tensor  # (N, m): the activation's derivative at z
+    slope: Tensor  # (B, N, m): the activation's derivative at z
     out: Tensor  # lipschitz: (m, D) = 2 W/T; standard: fc2's (D, m) transposed
+
+    def sample(self, b: int) -> _Block:
+        """Sample ``b``'s attention data, without the batch axis (the norms'
+        maps stay the batch's)."""
+        return replace(self, Q_t=self.Q_t[b], K_t=self.K_t[b], V=self.V[b],
+                       P=self.P[b], PV=self.PV[b], slope=self.slope[b])
 
 
 class Linearized:
-    """The Jacobian of :func:`lipvit.certify.sites.forward` at one image.
+    """The Jacobian of :func:`lipvit.certify.sites.forward` at a batch of images.
+
+    Every sample's clean pass is computed once; a push applies each sample's
+    Jacobian to its own ``c`` tangents with one batched product per
+    operation for the whole batch.
 
     Args:
         model: a lipvit ViT (:func:`lipvit.certify.sites.check_supported`).
-        x: one image ``(C, S, S)``, the model's dtype.
+        x: images ``(B, C, S, S)``, the model's dtype.
     """
 
     def __init__(self, model: ViT, x: Tensor):
@@ -118,19 +132,20 @@ class Linearized:
         self.model = model
         self.lipschitz = model.config.family == "lipschitz"
         with torch.no_grad():
-            _, rec = forward(model, x[None])
+            _, rec = forward(model, x)
             self.blocks = [self._block(k, rec) for k in range(len(model.blocks))]
+        self.batch, self.device = x.shape[0], x.device
         self.shape = rec.stream[0].shape[1:]  # (N, D)
 
     def _block(self, k: int, rec) -> _Block:
         block = self.model.blocks[k]
-        X, X_mid, p, z = (rec.stream[2 * k][0], rec.stream[2 * k + 1][0],
-                          rec.attn_in[k][0], rec.act_in[k][0])
+        X, X_mid, p, z = (rec.stream[2 * k], rec.stream[2 * k + 1], rec.attn_in[k],
+                          rec.act_in[k])  # (B, N, D) ×3, (B, N, m)
         W_q, W_k, W_v, W_o = block.attn.head_weights()  # (H, D, d) ×3, (H, d, D)
         H, D, d = W_q.shape
-        Q = torch.einsum("nD,hDd->hnd", p, W_q)
-        K = torch.einsum("nD,hDd->hnd", p, W_k)
-        V = torch.einsum("nD,hDd->hnd", p, W_v)
+        Q = torch.einsum("bnD,hDd->bhnd", p, W_q)
+        K = torch.einsum("bnD,hDd->bhnd", p, W_k)
+        V = torch.einsum("bnD,hDd->bhnd", p, W_v)
         P = torch.softmax(Q @ K.transpose(-1, -2) / math.sqrt(d), dim=-1)
         W_qkv = torch.cat([W.permute(1, 0, 2).reshape(D, H * d)
                            for W in (W_q, W_k, W_v)], dim=1)  # (D, 3Hd)
@@ -148,7 +163,8 @@ class Linearized:
 
     @torch.no_grad()
     def embed(self, T: Tensor) -> Tensor:
-        """Image tangents ``(c, C, S, S)`` → block 0's input tangents ``(c, N, D)``."""
+        """Image tangents ``(c, C, S, S)`` → block 0's input tangents ``(c, N, D)``
+        (the same map for every sample: the patch embedding is linear)."""
         pe = self.model.patch_embed
         patches = pe.patches(T / self.model.std)  # (c, N−1, C·p·p)
         tokens = patches @ pe.proj.weight.T  # (c, N−1, D)
@@ -159,13 +175,16 @@ class Linearized:
         self, T: Tensor, first: int, visit: Visit, logits: bool = False,
         inject: tuple[str, Tensor] | None = None,
     ) -> None:
-        """Apply the Jacobian to tangents ``T`` ``(c, N, D)`` of stream state
-        ``s_{2·first}`` (block ``first``'s input) through blocks ``first, …``;
-        ``visit`` receives every site input's tangents in order (the first
-        stream state included). ``logits``: also visit each block's
+        """Apply each sample's Jacobian to its tangents ``T`` ``(B, c, N, D)`` of
+        stream state ``s_{2·first}`` (block ``first``'s input; ``(c, N, D)``:
+        the same tangents for every sample) through blocks ``first, …``;
+        ``visit`` receives every site input's tangents ``(B, c, …)`` in order
+        (the first stream state included). ``logits``: also visit each block's
         attention-logit tangents ``dS_h`` and its query and key tangents.
-        ``inject = (site, U)``: add ``U`` at block ``first``'s ``"norm1"`` or
-        ``"norm2"`` output."""
+        ``inject = (site, U)``: add ``U`` ``(B, c, N, D)`` at block ``first``'s
+        ``"norm1"`` or ``"norm2"`` output."""
+        if T.dim() == 3:
+            T = T.expand(self.batch, *T.shape)
         visit("stream", 2 * first, T)
         for k in range(first, len(self.blocks)):
             b = self.blocks[k]
@@ -180,9 +199,9 @@ class Linearized:
             q = b.norm2(T)
             if site == "norm2":
                 q = q + add
-            z = q @ b.W1.T  # (c, N, m)
+            z = q @ b.W1.T  # (B, c, N, m)
             visit("act_in", k, z)
-            u = z * b.slope
+            u = z * b.slope[:, None]
             T = q - u @ b.out if self.lipschitz else T + u @ b.out
             visit("stream", 2 * k + 2, T)
 
@@ -190,23 +209,29 @@ class Linearized:
                    logits: bool) -> Tensor:
         """``d out = Σ_h (dP_h V_h + P_h dV_h) W_o[h]`` with
         ``dP_h V_h = (P_h ⊙ dS_h) V_h − r_h ⊙ (P_h V_h)``, ``r_h = rowsum(P_h ⊙ dS_h)``;
-        every product is one batched matrix product per head over all tangents."""
-        c, N, D = p.shape
-        H, d, _ = b.Q_t.shape
-        qkv = (p.reshape(c * N, D) @ b.W_qkv).reshape(c, N, 3, H, d)
-        dQ, dK = (qkv[:, :, i].permute(2, 0, 1, 3).reshape(H, c * N, d) for i in (0, 1))
-        dS = (dQ @ b.K_t).reshape(H, c, N, N)  # dQ Kᵀ/√d
-        dS = dS + (dK @ b.Q_t).reshape(H, c, N, N).transpose(-1, -2)  # + Q dKᵀ/√d
+        every product is one batched matrix product per sample and head over
+        all its tangents."""
+        B, c, N, D = p.shape
+        H, d = b.Q_t.shape[1:3]
+        qkv = (p.reshape(B * c * N, D) @ b.W_qkv).reshape(B, c, N, 3, H, d)
+        dQ, dK = (qkv[:, :, :, i].permute(0, 3, 1, 2, 4).reshape(B, H, c * N, d)
+                  for i in (0, 1))
+        dS = (dQ @ b.K_t).reshape(B, H, c, N, N)  # dQ Kᵀ/√d
+        dS.add_((dK @ b.Q_t).reshape(B, H, c, N, N).transpose(-1, -2))  # + Q dKᵀ/√d
         if logits:
-            visit("logits", k, dS.transpose(0, 1))  # (c, H, N, N)
-            for kind, T in (("queries", dQ), ("keys", dK)):
-                visit(kind, k, T.reshape(H, c, N, d).transpose(0, 1))  # (c, H, N, d)
-        G = b.P[:, None] * dS  # (H, c, N, N): P ⊙ dS
+            visit("logits", k, dS.transpose(1, 2))  # (B, c, H, N, N)
+            for kind, T in (("queries", dQ), ("keys", dK)):  # (B, c, H, N, d)
+                visit(kind, k, T.reshape(B, H, c, N, d).transpose(1, 2))
+        # In place where no visitor holds dS (each pass over these tensors
+        # is a pass through memory once a push outgrows the cache).
+        P = b.P[:, :, None]  # (B, H, 1, N, N)
+        G = dS * P if logits else dS.mul_(P)  # P ⊙ dS
         r = G.sum(-1, keepdim=True)
-        out = (G.reshape(H, c * N, N) @ b.V).reshape(H, c, N, d) - r * b.PV[:, None]
-        dV = qkv[:, :, 2].permute(2, 1, 0, 3).reshape(H, N, c * d)  # (H, N, c·d)
-        out = out + (b.P @ dV).reshape(H, N, c, d).transpose(1, 2)  # + P dV
-        return out.permute(1, 2, 0, 3).reshape(c, N, H * d) @ b.W_o
+        out = (G.reshape(B, H, c * N, N) @ b.V).reshape(B, H, c, N, d)
+        out.sub_(r * b.PV[:, :, None])
+        dV = qkv[:, :, :, 2].permute(0, 3, 2, 1, 4).reshape(B, H, N, c * d)
+        out.add_((b.P @ dV).reshape(B, H, N, c, d).transpose(2, 3))  # + P dV
+        return out.permute(0, 2, 3, 1, 4).reshape(B, c, N, H * d) @ b.W_o
 
 
 CACHE_BYTES = 4 * 2**20
@@ -214,9 +239,20 @@ CACHE_BYTES = 4 * 2**20
 that keeps a push in the processor's cache: pushes of that many tangents ran
 2–3× faster than pushes of hundreds at 3×128 (one thread)."""
 
+SHARED_CACHE = {"cpu": True}
+"""Device types whose pushes hold :data:`CACHE_BYTES` of tangents for the
+whole batch, not per sample. On a CPU a push's cost is its memory traffic: at
+``fmnist-3x64`` (one thread) a push of 8 samples × 52 tangents cost 522 µs a
+tangent, 8 × 6 cost 345 and 1 × 52 cost 383, so the batch shares one cache's
+worth. On a GPU (absent here: per sample) each operation is a kernel launch,
+so every sample keeps its own and a push's operations serve ``B`` times as
+many tangents."""
+
 
 def push_size(lin: Linearized) -> int:
-    """Tangents per push that keep its ``(c, H, N, N)`` tensors within
-    :data:`CACHE_BYTES`."""
-    H, N = lin.blocks[0].P.shape[:2] if lin.blocks else (1, lin.shape[0])
-    return max(1, CACHE_BYTES // (8 * H * N * N))
+    """Tangents per sample and push: one sample's ``(c, H, N, N)`` logit
+    tangents within :data:`CACHE_BYTES`, shared by the batch on the devices
+    of :data:`SHARED_CACHE`."""
+    H, N = lin.blocks[0].P.shape[1:3] if lin.blocks else (1, lin.shape[0])
+    c = max(1, CACHE_BYTES // (8 * H * N * N))
+    return max(1, c // lin.batch) if SHARED_CACHE.get(lin.device.type) else c

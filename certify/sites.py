@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from lipvit.certify.attention import attention, bound_weights
 from lipvit.certify.tangents import (
     JacobianNorms,
-    LogitVariance,
     gram_norm,
-    norms_of_sample,
+    norms_of_batch,
 )
 from torch import Tensor
 
@@ -229,41 +228,24 @@ they are bounded by the patch-block matrix."""
 
 def jacobian_norms(
     model: ViT, x: Tensor, exact_max: int | None = None,
-    max_memory: int | None = None, lins: list | None = None,
+    max_memory: int | None = None, lin=None,
 ) -> JacobianNorms:
     """:class:`JacobianNorms` of ``model`` at images ``x`` ``(B, C, S, S)``.
 
     The image's ``n`` basis tangents are pushed through the linearised network
-    (:class:`lipvit.certify.linearized.Linearized`, the clean pass once per
-    sample) a few at a time, patch by patch (``exact_max``: default
-    :data:`EXACT_GRAM_MAX`), and every quantity is
-    *accumulated* (:class:`lipvit.certify.tangents.NormAccumulator`): per-token
-    ``D × D`` Gram matrices, per-unit squared norms, and either the stored
-    tangents of the whole-matrix maps (``n ≤ exact_max``: their ``n × n``
-    Gram matrices, exact) or the norms of their patch blocks (bounded by the
-    block matrix's norm). Memory: ``max_memory`` bytes of tangents
-    (:func:`lipvit.certify.tangents.plan`). ``lins``: the samples'
+    (:class:`lipvit.certify.linearized.Linearized`, the clean pass once for the
+    batch, every sample's tangents in one push) a few at a time, patch by
+    patch (``exact_max``: default :data:`EXACT_GRAM_MAX`), and every quantity
+    is *accumulated* (:func:`lipvit.certify.tangents.norms_of_batch`):
+    per-token ``D × D`` Gram matrices, per-unit squared norms, and either the
+    stored tangents of the whole-matrix maps (``n ≤ exact_max``: their
+    ``n × n`` Gram matrices, exact) or the norms of their patch blocks
+    (bounded by the block matrix's norm). Memory: ``max_memory`` bytes of
+    tangents (:func:`lipvit.certify.tangents.plan`). ``lin``: the batch's
     :class:`~lipvit.certify.linearized.Linearized`, if built already.
     """
     exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
-    lins = lins or [None] * len(x)
-    per = [norms_of_sample(model, xb, exact_max, max_memory, lin)
-           for xb, lin in zip(x, lins, strict=True)]
-    K = len(model.blocks)
-    return JacobianNorms(
-        stream=torch.stack([p.stream for p in per]),
-        stream_token=torch.stack([p.stream_token for p in per]),
-        attn_in=torch.stack([p.attn_in for p in per]),
-        act_in=[torch.stack([p.act_in[k] for p in per]) for k in range(K)],
-        cls=torch.stack([p.cls for p in per]),
-        logits=torch.stack([p.logits for p in per]),
-        queries=torch.stack([p.queries for p in per]),
-        keys=torch.stack([p.keys for p in per]),
-        logit_rows=torch.stack([p.logit_rows for p in per]),
-        attn_hessian=torch.stack([p.attn_hessian for p in per]),
-        variance=LogitVariance.stack([p.variance for p in per]),
-        exact=all(p.exact for p in per),
-    )
+    return norms_of_batch(model, x, exact_max, max_memory, lin)
 
 
 # --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from lipvit.certify.attention import value_output
 from lipvit.certify.tangents import top_root
 from torch import Tensor
 
-from lipvit.spectral import spectral_norm
+from lipvit.spectral import seeded_start, spectral_norm
 
 WEIGHT_STEPS = 40
 """Descent steps on the weights (any weights give a sound bound; the steps
@@ -138,7 +138,11 @@ def descend(f: SoftmaxFactors, lw: Tensor, lv: Tensor,
     lw, lv = lw.clone().requires_grad_(), lv.clone().requires_grad_()
     opt = torch.optim.Adam([lw, lv], lr=_LR)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
-    x = f.Q.new_full((B, N, D), D**-0.5)
+    # A seeded start, the same for every sample: a constant one lies in the
+    # kernel of a LayerNorm's Jacobian (J 1 = 0), where the iteration only
+    # amplifies rounding.
+    x = seeded_start((1, N, D), f.Q.dtype, f.Q.device).expand(B, N, D)
+    x = x / _norm(x, torch.finfo(x.dtype).tiny)
     y = x.clone()
     with torch.no_grad():
         for _ in range(steps):

@@ -237,8 +237,11 @@ def subblock_parts(block, X: Tensor, terms: LoFASTTerms,
         softmax = softmax_path(terms) * L_N
         value = projected_subblock_norm(P, gamma[:, None] * W_v, W_o, c, U,
                                        torch.zeros_like(softmax), kept)
-    if weighted and bool((softmax > WEIGHTED_SHARE * value).any()):
-        J = token_jacobians(norm, X)
-        softmax = torch.fmin(softmax, softmax_norm_bound(
-            norm(X).detach(), W_q, W_k, W_v, W_o, P, J))
+    # Only the samples that need it: a sample's bound never depends on its batch.
+    need = (softmax > WEIGHTED_SHARE * value).nonzero()[:, 0] if weighted else []
+    if len(need):
+        X_n = X[need]
+        weighted_bound = softmax_norm_bound(norm(X_n).detach(), W_q, W_k, W_v, W_o,
+                                            P[need], token_jacobians(norm, X_n))
+        softmax = softmax.index_put((need,), torch.fmin(softmax[need], weighted_bound))
     return SubBlockBound(value, softmax)

@@ -142,7 +142,7 @@ def default_max_symbols(n: int) -> int:
 
 
 def propagate(
-    model: ViT, lins: list[Linearized], k: int, rho: Tensor, carried: Carried,
+    model: ViT, lin: Linearized, k: int, rho: Tensor, carried: Carried,
     max_symbols: int, chunk: int | None = None,
 ) -> Tensor:
     """Add block ``k``'s symbols to ``carried``, in place; bound the rest.
@@ -155,15 +155,19 @@ def propagate(
     ``‖τ‖₂`` bounds ``‖R‖_F`` and is carried by the caller like any other
     remainder.
 
+    Every sample's symbols are pushed together, ``chunk`` per sample and push
+    (slot ``j`` of a push holds each sample's ``j``-th symbol of the chunk; a
+    sample with fewer fills its slots with zero columns, ``ρ = 0``).
+
     Args:
         model: the lipschitz-family ViT (SLL blocks), float64.
-        lins: each sample's linearised network (:class:`Linearized`).
+        lin: the batch's linearised network (:class:`Linearized`).
         k: the block whose activation's symbols these are.
         rho: ``(B, N, m)``: each unit's ``ρ_i`` (0 where it cannot flip).
         carried: updated for every site input after block ``k``'s activation.
         max_symbols: symbols per sample and block (cost: one tangent through
             the later blocks each).
-        chunk: symbols per push (default: :func:`push_size`).
+        chunk: symbols per sample and push (default: :func:`push_size`).
 
     Returns:
         ``(B,)``: the bound ``‖τ‖₂`` on the tail's change of the stream.
@@ -180,18 +184,28 @@ def propagate(
         (tail * c_norm).sum(-1),
         spectral_norm(column) * torch.linalg.vector_norm(tail, dim=-1),
     )  # (B, N)
-    for b, lin in enumerate(lins):
-        idx = chosen[b].nonzero()  # (S, 2): token, unit
-        for rows in idx.split(chunk or push_size(lin)) if len(idx) else ():
-            t, i = rows.unbind(1)
-            T0 = rho.new_zeros(len(rows), *lin.shape)  # (S, N, D)
-            T0[torch.arange(len(rows), device=T0.device), t] = column[i]
-            lin.push(T0, k + 1, _Carry(carried, b, rho[b, t, i]))
+    flat = chosen.flatten(1)  # (B, N·m)
+    count = flat.sum(1)  # (B,): each sample's symbols
+    S = int(count.max()) if flat.numel() else 0
+    # Each sample's chosen units first, in (token, unit) order.
+    order = torch.sort((~flat).to(torch.uint8), dim=1, stable=True).indices[:, :S]
+    valid = torch.arange(S, device=rho.device) < count[:, None]  # (B, S)
+    r = torch.where(valid, rho.flatten(1).gather(1, order), 0.0)  # (B, S)
+    B, m = rho.shape[0], rho.shape[-1]
+    b = torch.arange(B, device=rho.device)[:, None]
+    step = chunk or push_size(lin)
+    for start in range(0, S, step):
+        part = slice(start, start + step)
+        t, i, ok = order[:, part] // m, order[:, part] % m, valid[:, part]  # (B, s)
+        T0 = rho.new_zeros(B, t.shape[1], *lin.shape)  # (B, s, N, D)
+        slot = torch.arange(t.shape[1], device=rho.device)
+        T0[b, slot, t] = column[i] * ok[..., None]
+        lin.push(T0, k + 1, _Carry(carried, r[:, part]))
     return torch.linalg.vector_norm(tau, dim=-1)
 
 
 def propagate_radial(
-    lins: list[Linearized], clean: Record, k: int, site: str, s: Tensor,
+    lin: Linearized, clean: Record, k: int, site: str, s: Tensor,
     carried: Carried, chunk: int | None = None,
 ) -> None:
     """Add block ``k``'s LayerProject radial symbols to ``carried``, in place.
@@ -201,49 +215,49 @@ def propagate_radial(
     (:func:`lipvit.certify.remainders.layer_project_split`); each ``σ`` with
     ``s > 0`` is a symbol whose column is ``−x̂`` at the site's output (the
     whole token matrix for a Frobenius projection, one token otherwise).
+    Every sample's are pushed together: the vectors where any sample has a
+    symbol, with ``ρ = 0`` for the samples without one.
 
     Args:
-        lins: each sample's linearised network (:class:`Linearized`).
+        lin: the batch's linearised network (:class:`Linearized`).
         clean: the clean :class:`Record` of the batch.
         k: the block.
         site: ``"norm1"`` or ``"norm2"``.
         s: ``(B, T)``: each vector's range (``T = 1`` Frobenius, ``N`` per token).
         carried: updated for every site input from the site's output on.
-        chunk: symbols per push (default: :func:`push_size`).
+        chunk: symbols per sample and push (default: :func:`push_size`).
     """
     X = clean.stream[2 * k] if site == "norm1" else clean.stream[2 * k + 1]
-    for b, lin in enumerate(lins):
-        vec = (s[b] > 0).nonzero()[:, 0]  # the vectors with a symbol
-        for t in vec.split(chunk or push_size(lin)) if len(vec) else ():
-            if s.shape[1] == 1:  # the whole token matrix
-                x_hat = X[b] / torch.linalg.vector_norm(X[b])  # (N, D)
-                U = -x_hat[None].expand(len(t), -1, -1)
-            else:
-                U = X.new_zeros(len(t), *lin.shape)  # (S, N, D)
-                x_t = X[b, t]  # (S, D)
-                rows = torch.arange(len(t), device=U.device)
-                U[rows, t] = -x_t / torch.linalg.vector_norm(x_t, dim=-1, keepdim=True)
-            lin.push(torch.zeros_like(U), k, _Carry(carried, b, s[b, t]),
-                     inject=(site, U))
+    vec = (s > 0).any(0).nonzero()[:, 0]  # the vectors with a symbol somewhere
+    for t in vec.split(chunk or push_size(lin)) if len(vec) else ():
+        if s.shape[1] == 1:  # the whole token matrix
+            x_hat = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True)
+            U = -x_hat[:, None].expand(-1, len(t), -1, -1)  # (B, 1, N, D)
+        else:
+            U = X.new_zeros(X.shape[0], len(t), *lin.shape)  # (B, S, N, D)
+            x_t = X[:, t]  # (B, S, D)
+            rows = torch.arange(len(t), device=U.device)
+            U[:, rows, t] = -x_t / torch.linalg.vector_norm(x_t, dim=-1, keepdim=True)
+        lin.push(torch.zeros_like(U), k, _Carry(carried, s[:, t]), inject=(site, U))
 
 
 class _Carry:
-    """A push's visitor adding symbols ``r_j ∈ [0, ρ_j]`` of sample ``b`` (``rho``
-    ``(S,)``, one per tangent) to ``carried``: the centre ``Σ_j G_j ρ_j/2``, the
+    """A push's visitor adding symbols ``r_j ∈ [0, ρ_j]`` (``rho`` ``(B, S)``, one
+    per sample and tangent) to ``carried``: the centre ``Σ_j G_j ρ_j/2``, the
     spread ``Σ_j |G_j| ρ_j/2`` and, at pre-activations, ``Σ_j G⁺_j ρ_j`` and
     ``Σ_j G⁻_j ρ_j``."""
 
-    def __init__(self, carried: Carried, b: int, rho: Tensor):
-        self.carried, self.b, self.rho, self.h = carried, b, rho, rho / 2
+    def __init__(self, carried: Carried, rho: Tensor):
+        self.carried, self.rho, self.h = carried, rho, rho / 2
 
     def __call__(self, kind: str, i: int, T: Tensor) -> None:
-        c, b = self.carried, self.b
+        c = self.carried
         if kind == "stream":
-            c.centre[i][b] += torch.einsum("s,snd->nd", self.h, T)
-            c.spread[i][b] += torch.einsum("s,snd->nd", self.h, T.abs())
+            c.centre[i] += torch.einsum("bs,bsnd->bnd", self.h, T)
+            c.spread[i] += torch.einsum("bs,bsnd->bnd", self.h, T.abs())
         elif kind == "attn_in":
-            c.attn_centre[i][b] += torch.einsum("s,snd->nd", self.h, T)
-            c.attn_spread[i][b] += torch.einsum("s,snd->nd", self.h, T.abs())
+            c.attn_centre[i] += torch.einsum("bs,bsnd->bnd", self.h, T)
+            c.attn_spread[i] += torch.einsum("bs,bsnd->bnd", self.h, T.abs())
         elif kind == "act_in":
-            c.up[i][b] += torch.einsum("s,snm->nm", self.rho, T.clamp_min(0))
-            c.down[i][b] += torch.einsum("s,snm->nm", self.rho, (-T).clamp_min(0))
+            c.up[i] += torch.einsum("bs,bsnm->bnm", self.rho, T.clamp_min(0))
+            c.down[i] += torch.einsum("bs,bsnm->bnm", self.rho, (-T).clamp_min(0))

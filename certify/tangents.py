@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 from lipvit.certify import jet_vit
-from lipvit.certify.linearized import CACHE_BYTES, Linearized
+from lipvit.certify.linearized import CACHE_BYTES, Linearized, push_size
 from torch import Tensor
 
 from lipvit.errors import LipvitError
@@ -52,6 +52,12 @@ REFINE = 0.05
 """Patch blocks whose Frobenius norm is at least this fraction of the largest
 get their exact spectral norm; the others keep the Frobenius norm (an upper
 bound), which changes ``‖Q‖`` little and saves most of the eigenvalue work."""
+
+
+FLUSH = 128
+"""Image tangents held and reduced at a time where the budget allows (whole
+patches): each sample of a batch holds its own, so fewer lets more samples
+share a push; more saves little (one reduction per site per flush)."""
 
 
 class MemoryBudgetError(LipvitError):
@@ -110,7 +116,7 @@ def top_root(gram: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Plan:
-    """How :func:`norms_of_sample` walks the image's basis: ``exact`` keeps every
+    """How :func:`norms_of_batch` walks the image's basis: ``exact`` keeps every
     tangent of the whole-matrix maps; otherwise ``flush`` tangents (whole
     patches) are held and reduced at a time; ``push`` at a time go through the
     network."""
@@ -149,8 +155,16 @@ def plan(model: ViT, exact_max: int, max_memory: int | None) -> Plan:
                       (budget - fixed - group * held) // work))
     if n <= exact_max and fixed + n * (held + logit) + push * work <= budget:
         return Plan(True, n, push)
-    groups = min((budget - fixed - push * work) // (group * held), max(1, 256 // group))
+    groups = min((budget - fixed - push * work) // (group * held),
+                 max(1, FLUSH // group))
     return Plan(False, int(groups) * group, int(push))
+
+
+def sample_bytes(model: ViT, how: Plan) -> int:
+    """Bytes one sample's tangents and reductions take under ``how`` (a batch's
+    take as many times its samples)."""
+    fixed, held, work, logit = _bytes(model)
+    return fixed + how.flush * (held + (logit if how.exact else 0)) + how.push * work
 
 
 def min_memory(model: ViT) -> int:
@@ -176,22 +190,24 @@ def jets_fit(model: ViT, max_memory: int | None) -> bool:
     return jet_vit.supports(model) and jets_need(model) <= memory_budget(max_memory)
 
 
-def taylor_batch(model: ViT, max_memory: int | None) -> int:
+def taylor_batch(model: ViT, max_memory: int | None, exact_max: int) -> int:
     """Samples per :func:`lipvit.certify.taylor.taylor_bound` call within
     ``max_memory`` bytes: each sample keeps one autograd graph of the forward
     pass per class (the margins' gradients, back-substituted at every ε) and
-    its symbols' accumulators, and its second-order Taylor model
+    its symbols' accumulators, its second-order Taylor model
     (:func:`lipvit.certify.jet_vit.jet_bytes`) where one is built
-    (:func:`jets_fit`), beside :func:`min_memory` for its tangents."""
+    (:func:`jets_fit`), and its share of the batch's tangents
+    (:func:`sample_bytes` of :func:`plan` with ``exact_max``: the batch's
+    samples are pushed together)."""
     cfg = model.config
     N, D, H, m, K, _ = _sizes(model)
     graph = 8 * K * N * (8 * D + 4 * m + 3 * H * N)  # one forward pass, kept
     carried = 8 * (2 * (2 * K + 1) * N * D + 2 * K * N * D + 2 * K * N * m)
     per_sample = cfg.num_classes * graph + carried
+    per_sample += sample_bytes(model, plan(model, exact_max, max_memory))
     if jets_fit(model, max_memory):
         per_sample += jet_vit.jet_bytes(model)
-    budget = memory_budget(max_memory)
-    return max(1, (budget - min_memory(model)) // per_sample)
+    return max(1, memory_budget(max_memory) // per_sample)
 
 
 def _bytes(model: ViT) -> tuple[int, int, int, int]:
@@ -239,25 +255,25 @@ class LogitVariance(NamedTuple):
         return LogitVariance(*(f[:, k] for f in self))
 
     @staticmethod
-    def stack(parts: list[LogitVariance]) -> LogitVariance:
-        """The fields of ``parts`` stacked along a new first axis."""
-        return LogitVariance(*(torch.stack(f) for f in zip(*parts, strict=True)))
+    def stack(parts: list[LogitVariance], dim: int = 0) -> LogitVariance:
+        """The fields of ``parts`` stacked along a new axis ``dim``."""
+        return LogitVariance(*(torch.stack(f, dim) for f in zip(*parts, strict=True)))
 
 
 def logit_variance(T: Tensor, P: Tensor) -> LogitVariance:
-    """:class:`LogitVariance` from the logit tangents ``T = J_{S←x}E`` ``(n, H,
+    """:class:`LogitVariance` from the logit tangents ``T = J_{S←x}E`` ``(…, n, H,
     N, N)`` of the image's ``n`` basis vectors and the clean probabilities
-    ``P`` ``(H, N, N)``. ``Var_p(u) = ‖F u‖²`` with ``F = (I − qqᵀ)diag(q)``,
-    ``q = √p``, so each gain is the top eigenvalue of the Gram matrix of the
-    tangents ``F T`` over the rows (and heads) it sums."""
-    n, H, N, _ = T.shape
-    q = P.sqrt()  # (H, N, N)
+    ``P`` ``(…, H, N, N)`` (``…``: optional batch axes). ``Var_p(u) = ‖F u‖²``
+    with ``F = (I − qqᵀ)diag(q)``, ``q = √p``, so each gain is the top
+    eigenvalue of the Gram matrix of the tangents ``F T`` over the rows (and
+    heads) it sums."""
+    q = P.sqrt().unsqueeze(-4)  # (…, 1, H, N, N)
     y = T * q
-    W = y - q * (y * q).sum(-1, keepdim=True)  # (n, H, N, N): F_{h,r} applied per row
-    whole = gram_norm(W.flatten(2).transpose(0, 1)) ** 2  # (H,): (H, n, N·N)
-    row = (gram_norm(W.permute(1, 2, 0, 3)) ** 2).amax(-1)  # (H, N, n, N) → (H,)
-    whole_all = gram_norm(W.reshape(n, -1)) ** 2
-    row_all = (gram_norm(W.permute(2, 0, 1, 3).reshape(N, n, H * N)) ** 2).amax()
+    W = y - q * (y * q).sum(-1, keepdim=True)  # (…, n, H, N, N): F_{h,r} per row
+    whole = gram_norm(W.flatten(-2).transpose(-3, -2)) ** 2  # (…, H, n, N·N) → (…, H)
+    row = (gram_norm(W.movedim(-4, -2)) ** 2).amax(-1)  # (…, H, N, n, N) → (…, H)
+    whole_all = gram_norm(W.flatten(-3)) ** 2  # (…, n, H·N·N) → (…)
+    row_all = (gram_norm(W.movedim(-2, -4).flatten(-2)) ** 2).amax(-1)  # (…, N, n, H·N)
     return LogitVariance(whole, row, whole_all, row_all)
 
 
@@ -269,7 +285,6 @@ class JacobianNorms:
     up); whole-matrix norms are exact when the image has at most
     :data:`lipvit.certify.sites.EXACT_GRAM_MAX` dimensions (``exact`` true) and
     otherwise **upper bounds** from the patch-block matrix (module docstring).
-    :func:`norms_of_sample` returns one sample's, without the batch axis.
 
     Attributes:
         stream: whole stream states ``(B, 2K+1)``.
@@ -308,28 +323,45 @@ class JacobianNorms:
     attn_hessian: Tensor
     exact: bool = True
 
+    @staticmethod
+    def cat(parts: list[JacobianNorms]) -> JacobianNorms:
+        """The norms of consecutive batches ``parts`` as one batch."""
+        first = parts[0]
+        fields = {name: torch.cat([getattr(p, name) for p in parts])
+                  for name in ("stream", "stream_token", "attn_in", "cls", "logits",
+                               "queries", "keys", "logit_rows", "attn_hessian")}
+        return JacobianNorms(
+            **fields,
+            act_in=[torch.cat([p.act_in[k] for p in parts])
+                    for k in range(len(first.act_in))],
+            variance=LogitVariance(*(torch.cat(f) for f in zip(
+                *(p.variance for p in parts), strict=True))),
+            exact=all(p.exact for p in parts),
+        )
+
 
 @dataclass
 class _Reduce:
-    """Running reductions of one sample's tangents (module docstring)."""
+    """Running reductions of a batch's tangents (module docstring), every
+    entry with the batch axis first."""
 
     exact: bool
     group: int
-    token_gram: dict[int, Tensor] = field(default_factory=dict)  # m → (N, D, D)
-    unit_sq: dict[int, Tensor] = field(default_factory=dict)  # k → (N, m)
+    token_gram: dict[int, Tensor] = field(default_factory=dict)  # m → (B, N, D, D)
+    unit_sq: dict[int, Tensor] = field(default_factory=dict)  # k → (B, N, m)
     kept: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
     blocks: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
 
     def add(self, kind: str, i: int, T: Tensor) -> None:
-        """Reduce ``T`` ``(F, …)``, the tangents of ``F`` basis vectors (whole
+        """Reduce ``T`` ``(B, F, …)``, the tangents of ``F`` basis vectors (whole
         patches) at site input ``(kind, i)``."""
         if kind == "act_in":
-            sq = (T * T).sum(0)
+            sq = (T * T).sum(1)
             self.unit_sq[i] = self.unit_sq[i] + sq if i in self.unit_sq else sq
             return
         if kind == "stream":
-            Tt = T.transpose(0, 1)  # (N, F, D)
-            gram = Tt.transpose(-1, -2) @ Tt  # (N, D, D): Σ_i (J e_i)_t (J e_i)_tᵀ
+            Tt = T.transpose(1, 2)  # (B, N, F, D)
+            gram = Tt.transpose(-1, -2) @ Tt  # (B, N, D, D): Σ_i (J e_i)_t (J e_i)_tᵀ
             self.token_gram[i] = self.token_gram[i] + gram if i in self.token_gram \
                 else gram
         if self.exact:
@@ -338,42 +370,53 @@ class _Reduce:
             self.blocks.setdefault((kind, i), []).append(self._block_norms(T))
 
     def _block_norms(self, T: Tensor) -> Tensor:
-        """Upper bounds on ``‖J_{t,g}‖`` ``(N, G_F)`` of the ``G_F`` patches in ``T``
-        ``(F, N, D)``: the Frobenius norm, and the exact norm (eigvalsh) for the
-        blocks within :data:`REFINE` of the largest (``‖Q‖`` is monotone in
-        its entries, so any upper bound per block keeps it an upper bound)."""
-        F, N, D = T.shape
-        Tg = T.reshape(F // self.group, self.group, N, D).transpose(1, 2)
-        Q = torch.linalg.vector_norm(Tg, dim=(-2, -1)) * (1 + 1e-12)  # (G_F, N)
-        big = Q >= REFINE * Q.amax()
-        blocks = Tg[big]  # (b, group, D)
+        """Upper bounds on ``‖J_{t,g}‖`` ``(B, N, G_F)`` of the ``G_F`` patches in
+        ``T`` ``(B, F, N, D)``: the Frobenius norm, and the exact norm (eigvalsh)
+        for the blocks within :data:`REFINE` of the sample's largest (``‖Q‖``
+        is monotone in its entries, so any upper bound per block keeps it an
+        upper bound)."""
+        B, F, N, D = T.shape
+        Tg = T.reshape(B, F // self.group, self.group, N, D).transpose(2, 3)
+        Q = torch.linalg.vector_norm(Tg, dim=(-2, -1)) * (1 + 1e-12)  # (B, G_F, N)
+        big = Q >= REFINE * Q.amax(dim=(1, 2), keepdim=True)
+        blocks = Tg[big]  # (b, group, D): every sample's at once
         gram = blocks @ blocks.transpose(-1, -2) if self.group <= D else \
             blocks.transpose(-1, -2) @ blocks
         Q[big] = torch.minimum(Q[big], top_root(gram))
-        return Q.T
+        return Q.transpose(1, 2)
 
     def whole(self, kind: str, i: int) -> Tensor:
-        """``‖J‖`` of the whole map at ``(kind, i)``: exact or the block bound."""
+        """``‖J‖`` ``(B,)`` (``(B, H)`` per head) of the whole map at ``(kind, i)``:
+        exact or the block bound."""
         if self.exact:
-            T = torch.cat(self.kept[(kind, i)])  # (n, …)
-            if kind in PER_HEAD:  # (n, H, …) → per head
-                return gram_norm(T.flatten(2).transpose(0, 1))  # (H,)
-            return gram_norm(T.flatten(1))
-        Q = torch.cat(self.blocks[(kind, i)], dim=1)  # (N, G)
-        small = Q @ Q.T if Q.shape[0] <= Q.shape[1] else Q.T @ Q
+            T = torch.cat(self.kept[(kind, i)], dim=1)  # (B, n, …)
+            if kind in PER_HEAD:  # (B, n, H, …) → per head
+                return gram_norm(T.flatten(3).transpose(1, 2))  # (B, H)
+            return gram_norm(T.flatten(2))
+        Q = torch.cat(self.blocks[(kind, i)], dim=2)  # (B, N, G)
+        small = Q @ Q.mT if Q.shape[1] <= Q.shape[2] else Q.mT @ Q
         return top_root(small)
 
 
-def norms_of_sample(
+def norms_of_batch(
     model: ViT, x: Tensor, exact_max: int, max_memory: int | None,
     lin: Linearized | None = None,
 ) -> JacobianNorms:
-    """:class:`JacobianNorms` of one image ``x`` ``(C, S, S)`` (module docstring);
-    ``lin``: its :class:`Linearized`, if built already."""
+    """:class:`JacobianNorms` of images ``x`` ``(B, C, S, S)`` (module docstring),
+    every sample's tangents pushed together (one operation per step for the
+    whole batch); ``lin``: their :class:`Linearized`, if built already. The
+    plan is one sample's (:func:`plan`), whatever the batch, so that the
+    norms do not depend on it; the batch is split where its tangents would
+    exceed ``max_memory`` bytes at once."""
     how = plan(model, exact_max, max_memory)
+    at_once = max(1, memory_budget(max_memory) // sample_bytes(model, how))
+    if len(x) > at_once:
+        return JacobianNorms.cat([norms_of_batch(model, x[i:i + at_once], exact_max,
+                                                 max_memory)
+                                  for i in range(0, len(x), at_once)])
     lin = lin or Linearized(model, x)
     order = patch_order(model).to(x.device)
-    n, K = order.numel(), len(model.blocks)
+    n, K, B = order.numel(), len(model.blocks), len(x)
     _, _, H, _, _, group = _sizes(model)
     red = _Reduce(how.exact, group)
     eye = torch.zeros(how.flush, n, dtype=x.dtype, device=x.device)
@@ -387,37 +430,40 @@ def norms_of_sample(
             def keep(kind: str, i: int, T: Tensor, parts=parts) -> None:
                 parts.setdefault((kind, i), []).append(T)
 
-            for E_c in E.split(how.push):
-                lin.push(lin.embed(E_c.reshape(-1, *x.shape)), 0, keep,
+            for E_c in E.split(min(how.push, push_size(lin))):
+                lin.push(lin.embed(E_c.reshape(-1, *x.shape[1:])), 0, keep,
                          logits=how.exact)
             for (kind, i), Ts in parts.items():
-                red.add(kind, i, torch.cat(Ts))
-    token = torch.stack([top_root(red.token_gram[m]) for m in range(2 * K + 1)])
+                red.add(kind, i, torch.cat(Ts, dim=1))
+    token = torch.stack([top_root(red.token_gram[m]) for m in range(2 * K + 1)],
+                        dim=1)  # (B, 2K+1, N)
     frob = torch.linalg.vector_norm(token, dim=-1)  # (Σ_t ‖J_t‖²)^{1/2} ≥ ‖J‖
-    stream = torch.stack([red.whole("stream", m) for m in range(2 * K + 1)])
-    inf = torch.full((K, H), math.inf, dtype=x.dtype, device=x.device)
+    stream = torch.stack([red.whole("stream", m) for m in range(2 * K + 1)], dim=1)
+    inf = torch.full((B, K, H), math.inf, dtype=x.dtype, device=x.device)
     if how.exact:
-        logits, queries, keys = (torch.stack([red.whole(kind, k) for k in range(K)])
-                                 for kind in PER_HEAD)
-        T_S = [torch.cat(red.kept[("logits", k)]) for k in range(K)]  # (n, H, N, N)
-        logit_rows = torch.stack([  # (H, N, n, N): per head and row
-            gram_norm(T.permute(1, 2, 0, 3)).amax(-1) for T in T_S])
+        logits, queries, keys = (torch.stack([red.whole(kind, k) for k in range(K)],
+                                             dim=1) for kind in PER_HEAD)  # (B, K, H)
+        T_S = [torch.cat(red.kept[("logits", k)], dim=1) for k in range(K)]
+        logit_rows = torch.stack([  # (B, n, H, N, N) → (B, H, N, n, N): per head, row
+            gram_norm(T.permute(0, 2, 3, 1, 4)).amax(-1) for T in T_S], dim=1)
         variance = LogitVariance.stack([
-            logit_variance(T, b.P) for T, b in zip(T_S, lin.blocks, strict=True)])
+            logit_variance(T, b.P) for T, b in zip(T_S, lin.blocks, strict=True)], 1)
         from lipvit.certify.second_order import attention_hessian_norm  # imports us
-        hessian = inf[:, 0] if lin.lipschitz else torch.stack([  # standard only
-            attention_hessian_norm(lin.blocks[k], torch.cat(red.kept[("attn_in", k)]))
-            for k in range(K)])
+        hessian = inf[..., 0] if lin.lipschitz else torch.stack([  # standard only
+            torch.stack([attention_hessian_norm(lin.blocks[k].sample(b), T[b])
+                         for b in range(B)])  # n² pairs each: one sample at a time
+            for k, T in enumerate(torch.cat(red.kept[("attn_in", k)], dim=1)
+                                  for k in range(K))], dim=1)
     else:
         logits = queries = keys = logit_rows = inf
-        hessian = inf[:, 0]
-        variance = LogitVariance(inf, inf, inf[:, 0], inf[:, 0])
+        hessian = inf[..., 0]
+        variance = LogitVariance(inf, inf, inf[..., 0], inf[..., 0])
     return JacobianNorms(
         stream=torch.minimum(stream, frob),
         stream_token=token,
-        attn_in=torch.stack([red.whole("attn_in", k) for k in range(K)]),
+        attn_in=torch.stack([red.whole("attn_in", k) for k in range(K)], dim=1),
         act_in=[red.unit_sq[k].sqrt() * (1 + 1e-12) for k in range(K)],
-        cls=token[-1, 0],
+        cls=token[:, -1, 0],
         logits=logits,
         queries=queries,
         keys=keys,
@@ -426,5 +472,3 @@ def norms_of_sample(
         attn_hessian=hessian,
         exact=how.exact,
     )
-
-

@@ -365,7 +365,7 @@ def _tighter(bound: Tensor, exact: SubBlockNorms | None, name: str, k: int) -> T
 
 def _lipschitz_block(
     model: ViT, k: int, clean: Record, terms, jn: JacobianNorms,
-    exact: SubBlockNorms | None, max_symbols: int, lins: list[Linearized],
+    exact: SubBlockNorms | None, max_symbols: int, lin: Linearized,
 ) -> BlockFn:
     """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7);
     the ReLU units that can flip become symbols (:mod:`lipvit.certify.symbols`)."""
@@ -392,7 +392,7 @@ def _lipschitz_block(
         if dirs is not None:  # r = −τx̂ + cΓ_⊥ (§3)
             turn = layer_project_directional(n1, P1.radius, caps1, dirs.radial[:, None])
             split1 = _smaller_rest(split1, turn, caps1)
-        propagate_radial(lins, clean, k, "norm1", split1.s, sym)
+        propagate_radial(lin, clean, k, "norm1", split1.s, sym)
         r1 = split1.rest
         r1_norm = r1.norm(b.all)
         # The attention's input moves by J_{p←x}Γ + (symbols) + J_P₁(acc) + r_P₁.
@@ -404,7 +404,7 @@ def _lipschitz_block(
         mid = _after_attention(e, jn, sym, m_mid, b, gains, r1_norm, r_a, chain_mid,
                                r1_whole, b_p)
         split2 = layer_project_split(n_mid, P2.radius, mid.token)
-        propagate_radial(lins, clean, k, "norm2", split2.s, sym)
+        propagate_radial(lin, clean, k, "norm2", split2.s, sym)
         r2 = split2.rest
         r2_t = r2.at(mid.token)  # (B, N)
         # Each unit's move up (down): ≤ ‖∇z_ti‖ε + Σ G⁺ρ (Σ G⁻ρ)
@@ -419,7 +419,7 @@ def _lipschitz_block(
         up = torch.minimum(first + rest + sym.up[k], cap)
         down = torch.minimum(first + rest + sym.down[k], cap)
         rho = flip_range(z, torch.where(z > 0, down, up))  # r_i ∈ [0, ρ_i] (§5)
-        tail = propagate(model, lins, k, rho, sym, max_symbols)
+        tail = propagate(model, lin, k, rho, sym, max_symbols)
         # P₂'s remainder passes the linearised SLL (norm ≤ 1); the ReLU's are
         # symbols, but for the tail (bounded in norm).
         acc_out = mid.acc + torch.linalg.vector_norm(r2_t, dim=-1) + tail
@@ -720,8 +720,8 @@ def taylor_bound(
     with torch.no_grad():
         grads = site_gradients(model, x, y)
         g_x, g_sites, clean, logits = grads.x, grads.sites, grads.clean, grads.logits
-        lins = [Linearized(model, xb) for xb in x]  # the clean point, per sample
-        jn = jacobian_norms(model, x, max_memory=max_memory, lins=lins)
+        lin = Linearized(model, x)  # the clean points, the batch at once
+        jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin)
         exact = subblock_norms(model, clean)
         B, K = logits.shape
         wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
@@ -730,7 +730,7 @@ def taylor_bound(
         margins = torch.where(wrong, margins, torch.full_like(margins, math.inf))
         grad_norm = torch.linalg.vector_norm(g_x.flatten(2), dim=-1)  # (B, K)
         make = (
-            partial(_lipschitz_block, max_symbols=max_symbols, lins=lins)
+            partial(_lipschitz_block, max_symbols=max_symbols, lin=lin)
             if model.config.family == "lipschitz"
             else _standard_block
         )

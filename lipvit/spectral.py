@@ -88,7 +88,10 @@ def power_iteration(
         n_iter: maximum number of iterations (≥ 1).
         in_ndim: number of trailing dimensions forming the operator's input.
         out_ndim: number of trailing dimensions forming the operator's output.
-        tol: stop early once every relative change of σ is below ``tol``.
+        tol: stop early once every relative change of σ is below ``tol``; a
+            batch entry whose change is below it at a check stops there (its
+            ``σ``, ``u``, ``v`` are those it would have alone, whatever the
+            batch).
         check_every: test convergence (a host synchronisation on a GPU) only
             every ``check_every`` iterations.
 
@@ -101,21 +104,25 @@ def power_iteration(
     v = _normalize(v, in_ndim)
     sigma = None
     converged = torch.zeros((), dtype=torch.bool, device=v.device)
+    done = converged  # batch entries frozen at a check: as if run alone
     it = 0
     while it < n_iter:
         it += 1
         Av = matvec(v)
         new_sigma = _norm(Av, out_ndim)
         u = Av / new_sigma.clamp_min(1e-30).reshape(new_sigma.shape + (1,) * out_ndim)
-        v = _normalize(rmatvec(u), in_ndim)
-        if tol is not None and sigma is not None:
-            converged = (new_sigma - sigma).abs() <= tol * new_sigma.abs().clamp_min(
-                1e-30
-            )
-            sigma = new_sigma
-            if it % check_every == 0 and bool(converged.all()):
+        new_v = _normalize(rmatvec(u), in_ndim)
+        if sigma is None or tol is None:
+            sigma, v = new_sigma, new_v
+            continue
+        v = torch.where(done.reshape(done.shape + (1,) * in_ndim), v, new_v)
+        converged = done | ((new_sigma - sigma).abs()
+                            <= tol * new_sigma.abs().clamp_min(1e-30))
+        sigma = torch.where(done, sigma, new_sigma)
+        if it % check_every == 0:
+            done = converged
+            if bool(done.all()):
                 break
-        sigma = new_sigma
     # σ for the final v (one more matvec keeps u and v consistent with sigma).
     Av = matvec(v)
     sigma = torch.maximum(sigma, _norm(Av, out_ndim))

@@ -37,10 +37,6 @@ def _setup(seed: int, batch: int) -> tuple[ViT, torch.Generator, torch.Tensor]:
     return model, g, torch.rand(batch, 1, 8, 8, dtype=F64, generator=g)
 
 
-def _lins(model: ViT, x: torch.Tensor) -> list[Linearized]:
-    return [Linearized(model, xb) for xb in x]
-
-
 def test_relu_remainder_lies_in_flip_range():
     z = torch.linspace(-3, 3, 121, dtype=F64)
     z = torch.cat([z, torch.zeros(1, dtype=F64)])  # relu'(0) = 0 included
@@ -89,7 +85,7 @@ def test_symbols_match_dense_jacobians(seed, k):
         torch.rand(z.shape, generator=g) < 0.3
     )
     sym = Carried.zeros(clean)
-    tail = propagate(model, _lins(model, x), k, rho, sym, max_symbols=10**6, chunk=7)
+    tail = propagate(model, Linearized(model, x), k, rho, sym, max_symbols=10**6, chunk=7)
     assert torch.all(tail == 0)
     flat = rho.flatten(1)  # (B, N·m)
     half = flat / 2
@@ -144,7 +140,7 @@ def test_tail_bound_covers_every_vertex(seed):
     rho = torch.zeros_like(z)
     units = torch.randperm(z.numel(), generator=g)[:10]
     rho.view(-1)[units] = torch.rand(10, dtype=F64, generator=g)
-    tail = propagate(model, _lins(model, x), 0, rho, Carried.zeros(clean),
+    tail = propagate(model, Linearized(model, x), 0, rho, Carried.zeros(clean),
                      max_symbols=3)
     sll = model.blocks[0].mlp
     column = -2.0 * sll.fc1.weight / sll.T()[:, None]  # (m, D)
@@ -237,7 +233,7 @@ def test_radial_symbols_match_jvps(site, project):
     s = torch.rand(2, T, dtype=F64, generator=torch.Generator().manual_seed(2))
     s[0, 0] = 0.0  # no symbol there
     sym = Carried.zeros(clean)
-    propagate_radial(_lins(model, x), clean, k, site, s, sym, chunk=5)
+    propagate_radial(Linearized(model, x), clean, k, site, s, sym, chunk=5)
     if T == 1:
         col = -X / X.flatten(1).norm(dim=1)[:, None, None]  # (B, N, D)
         cols = [(col * s[:, 0, None, None], s[:, 0])]

@@ -49,16 +49,21 @@ def _collect(lin: Linearized, T: torch.Tensor, first: int, **kw) -> dict:
 @pytest.mark.parametrize("kw", [{}, {"attn_project": "token"}, {"depth": 3}])
 def test_push_is_forward_mode_ad(family, seed, kw):
     """Every site input's tangent, from the image, equals forward-mode AD
-    through :func:`forward` (the attention logits, queries and keys too)."""
+    through :func:`forward` (the attention logits, queries and keys too): two
+    images, each with its own five tangents, pushed together."""
     if family == "standard" and "attn_project" in kw:
         kw = {"num_heads": 1}
     model = _model(family, seed, **kw)
-    x = _images(1, seed)[0]
-    E = torch.randn(5, *x.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
+    x = _images(2, seed)
+    E = torch.randn(2, 5, *x.shape[1:], dtype=F64,
+                    generator=torch.Generator().manual_seed(9))
     lin = Linearized(model, x)
-    got = _collect(lin, lin.embed(E), 0, logits=True)
+    tangents = lin.embed(E.flatten(0, 1))  # (10, N, D)
+    got = _collect(lin, tangents.reshape(2, 5, *tangents.shape[1:]), 0, logits=True)
+    got = {key: T.flatten(0, 1) for key, T in got.items()}  # sample-major, as below
     with torch.no_grad(), fwAD.dual_level():
-        _, rec = forward(model, fwAD.make_dual(x[None].repeat(5, 1, 1, 1), E))
+        _, rec = forward(model, fwAD.make_dual(x.repeat_interleave(5, dim=0),
+                                               E.flatten(0, 1)))
         want = {("stream", m): fwAD.unpack_dual(s).tangent
                 for m, s in enumerate(rec.stream)}
         want |= {("attn_in", k): fwAD.unpack_dual(p).tangent
@@ -90,8 +95,9 @@ def test_push_from_a_later_block_with_an_injection(family, site):
     g = torch.Generator().manual_seed(5)
     T = torch.randn(3, *clean.stream[2].shape[1:], dtype=F64, generator=g)
     U = torch.randn_like(T)
-    lin = Linearized(model, x[0])
-    got = _collect(lin, T, 1, inject=(site, U))
+    lin = Linearized(model, x)
+    got = _collect(lin, T, 1, inject=(site, U[None]))
+    got = {key: G[0] for key, G in got.items()}
     for j in range(3):
         def run(a, j=j):
             X = clean.stream[2] + a * T[j]

@@ -158,7 +158,8 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
     type=click.IntRange(min=1),
     default=64,
     show_default=True,
-    help="samples per batch",
+    help="samples per batch (taylor certifies a batch's samples together, as "
+         "many at a time as --max-memory holds)",
 )
 @click.option(
     "--max-memory",

@@ -1,0 +1,89 @@
+"""Certificates of a batch are those of its samples alone (issue: ``taylor`` and
+``lofast`` batched across samples): every bound of a sample is the same, to
+1e-9, whether it is computed alone or beside others, with the tangent pushes
+sized as on a CPU (one cache's worth for the batch) or as on a GPU (one per
+sample)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lipvit.certify import linearized
+from lipvit.certify.network import network_bound
+from lipvit.certify.taylor import taylor_bound
+
+from lipvit.spectral import matrix_power_iteration
+from tests.conftest import nonlinear_model
+
+F64 = torch.float64
+EPS = (0.005, 0.02, 0.1)
+
+
+def _batch(family: str, seed: int, n: int = 3, **kw):
+    model = nonlinear_model(family, seed, **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.rand(n, 1, 8, 8, dtype=F64, generator=g)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    return model, x, y
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to a relative 1e-9 (the same infinities)."""
+    same_inf = torch.equal(torch.isinf(a), torch.isinf(b))
+    fin = torch.isfinite(a)
+    return same_inf and torch.allclose(a[fin], b[fin], rtol=1e-9, atol=1e-300)
+
+
+@pytest.mark.parametrize("pushes", ["cpu", "gpu"])
+@pytest.mark.parametrize(("family", "kw"), [
+    ("lipschitz", {}), ("lipschitz", {"attn_project": "token"}), ("standard", {}),
+])
+@pytest.mark.parametrize("exact", [True, False])
+def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, pushes,
+                                                 monkeypatch):
+    """Margin drops at several ε, every remainder part and the radii of three
+    images together equal each image's alone; ``exact``: the whole-matrix
+    Jacobian norms from Gram matrices, else the patch-block bound."""
+    if not exact:
+        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+    monkeypatch.setitem(linearized.SHARED_CACHE, "cpu", pushes == "cpu")
+    model, x, y = _batch(family, 3, **kw)
+    together = taylor_bound(model, x, y)
+    alone = [taylor_bound(model, x[i:i + 1], y[i:i + 1]) for i in range(len(x))]
+    for eps in EPS:
+        assert _close(together.margin_drop(eps),
+                      torch.cat([t.margin_drop(eps) for t in alone])), eps
+        parts = together.remainders(torch.full((len(x),), eps, dtype=F64))
+        for name, value in parts.items():
+            each = [t.remainders(torch.full((1,), eps, dtype=F64))[name] for t in alone]
+            assert _close(value, torch.cat(each)), (eps, name)
+    assert _close(together.radius(), torch.cat([t.radius() for t in alone]))
+
+
+def test_lofast_of_a_batch_is_each_samples_alone():
+    """LoFAST's δ_out of a batch equals each sample's alone (the power
+    iterations start every sample from the same vector and stop each where it
+    would alone)."""
+    model, x, _ = _batch("standard", 5, n=4)
+    eps = torch.full((len(x),), 0.05, dtype=F64)
+    together = network_bound(model, x, "lofast").delta_out(eps)
+    alone = torch.cat([network_bound(model, x[i:i + 1], "lofast").delta_out(eps[:1])
+                       for i in range(len(x))])
+    assert _close(together, alone)
+
+
+def test_power_iteration_stops_each_entry_as_if_alone():
+    """Matrices that converge at different speeds: each entry's σ and ``v``
+    are those of its own run, however long the slowest one takes."""
+    g = torch.Generator().manual_seed(0)
+    U, _ = torch.linalg.qr(torch.randn(3, 6, 6, dtype=F64, generator=g))
+    gaps = torch.tensor([[5.0, 1.0], [1.1, 1.0], [1.01, 1.0]], dtype=F64)
+    s = torch.cat([gaps, torch.full((3, 4), 0.5, dtype=F64)], dim=1)
+    W = U @ torch.diag_embed(s) @ U.mT  # (3, 6, 6)
+    v0 = torch.randn(1, 6, dtype=F64, generator=g).expand(3, 6)
+    together = matrix_power_iteration(W, v0, 500, tol=1e-10)
+    for i in range(3):
+        alone = matrix_power_iteration(W[i:i + 1], v0[i:i + 1], 500, tol=1e-10)
+        assert torch.equal(together.sigma[i:i + 1], alone.sigma)
+        assert torch.equal(together.v[i:i + 1], alone.v)
