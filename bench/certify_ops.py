@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 import torch
 from lipvit.certify import linearized
 from lipvit.certify.evaluate import certify_samples
+from lipvit.certify.tangents import parse_memory
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lipvit
@@ -54,13 +55,14 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure(model, x, y, method: str, eps: float) -> tuple[int, float]:
+def measure(model, x, y, method: str, eps: float, max_memory: int | None
+            ) -> tuple[int, float]:
     """``(operations, seconds)`` of one ``certify_samples`` call on ``x``."""
     counter = OpCounter()
     t0 = time.perf_counter()
     with counter:
         certify_samples(model, x, y, [method], [eps], radius=True,
-                        batch_size=x.shape[0])
+                        batch_size=x.shape[0], max_memory=max_memory)
     return counter.count, time.perf_counter() - t0
 
 
@@ -73,10 +75,14 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8", help="comma list of batch sizes")
     parser.add_argument("--eps", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-memory", default=None,
+                        help="taylor's --max-memory (e.g. 8G: 32 samples of "
+                             "cifar-lofast-3x128 in one call)")
     parser.add_argument("--pushes", default="cpu", choices=("cpu", "gpu"),
                         help="size taylor's tangent pushes as this device does")
     args = parser.parse_args()
     linearized.SHARED_CACHE["cpu"] = args.pushes == "cpu"
+    memory = parse_memory(args.max_memory) if args.max_memory else None
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = lipvit.ViT(lipvit.preset(args.preset, family=args.family)).double().eval()
@@ -96,7 +102,8 @@ def main() -> None:
           f"{'ratio':>6}")
     base = None
     for b in batches:
-        ops, seconds = measure(model, x_all[:b], y_all[:b], args.method, args.eps)
+        ops, seconds = measure(model, x_all[:b], y_all[:b], args.method, args.eps,
+                               memory)
         per = (ops / b, seconds / b)
         base = base or per
         print(f"{b:>5}  {per[0]:>11.0f}  {per[0] / base[0]:>6.3f}  {per[1]:>9.3f}  "

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from lipvit.certify import sites
 from lipvit.certify.certification import (
     certified_margin,
     certified_radius,
@@ -31,7 +32,6 @@ from lipvit.certify.eps import check_eps_list
 from lipvit.certify.global_bound import check_global, global_constant, global_radius
 from lipvit.certify.network import METHODS as BOUND_METHODS
 from lipvit.certify.network import network_bound
-from lipvit.certify import sites
 from lipvit.certify.tangents import taylor_batch
 from lipvit.certify.taylor import taylor_bound
 from torch import Tensor

@@ -56,7 +56,7 @@ def _project_tangent(x: Tensor, radius: float, mode: str) -> Callable[[Tensor], 
     """Jacobian of :func:`lipvit.layers.layer_project` at ``x`` ``(B, N, D)``,
     applied to tangents ``(B, c, N, D)``."""
     dims = (-1,) if mode == "token" else (-2, -1)
-    norm = torch.linalg.vector_norm(x, dim=dims, keepdim=True)[:, None]  # (B, 1, N|1, 1)
+    norm = torch.linalg.vector_norm(x, dim=dims, keepdim=True)[:, None]  # (B,1,N|1,1)
     outside = norm >= radius  # autograd's clamp_min passes the gradient at equality
     x_hat = x[:, None] / norm  # (B, 1, N, D)
     scale = torch.where(outside, radius / norm, torch.ones_like(norm))

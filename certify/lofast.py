@@ -524,7 +524,7 @@ def _key_sensitivity(
     est = _estimate(lambda G: sensitivity_matvec(G, P, W_v, W_o, residual),
                     lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
                     seeded_start((1, N, D), P.dtype, P.device).expand(B, N, D),
-                    n_iter, tol)  # one start for every sample: none depends on its batch
+                    n_iter, tol)  # one start for every sample
     return NormBound(est.sigma, method, False)
 
 

@@ -85,7 +85,8 @@ def test_symbols_match_dense_jacobians(seed, k):
         torch.rand(z.shape, generator=g) < 0.3
     )
     sym = Carried.zeros(clean)
-    tail = propagate(model, Linearized(model, x), k, rho, sym, max_symbols=10**6, chunk=7)
+    tail = propagate(model, Linearized(model, x), k, rho, sym, max_symbols=10**6,
+                     chunk=7)
     assert torch.all(tail == 0)
     flat = rho.flatten(1)  # (B, N·m)
     half = flat / 2
