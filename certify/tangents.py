@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 from lipvit.certify import jet_vit
-from lipvit.certify.linearized import CACHE_BYTES, Linearized, push_size
+from lipvit.certify.linearized import CACHE_BYTES, Linearized
 from torch import Tensor
 
 from lipvit.errors import LipvitError
@@ -430,7 +430,7 @@ def norms_of_batch(
             def keep(kind: str, i: int, T: Tensor, parts=parts) -> None:
                 parts.setdefault((kind, i), []).append(T)
 
-            for E_c in E.split(min(how.push, push_size(lin))):
+            for E_c in E.split(how.push):
                 lin.push(lin.embed(E_c.reshape(-1, *x.shape[1:])), 0, keep,
                          logits=how.exact)
             for (kind, i), Ts in parts.items():
