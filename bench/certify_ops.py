@@ -8,7 +8,8 @@ large the batch. This counts every ATen operation that reaches the dispatcher
 one method with ``--radius`` on a batch of random images of a random-weight
 model (build, the margin drop at one ε, the radius search: what ``lipvit
 certify`` runs), and prints operations and seconds per sample with their
-ratios to batch 1, measured in the same run.
+ratios to batch 1, measured in the same run, and the process's peak resident
+memory so far (batches run in increasing size: the row's own batch at most).
 
     python bench/certify_ops.py                       # fmnist-3x64, batch 1, 8
     python bench/certify_ops.py --preset cifar-lofast-3x128 --batch 1,8,32
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import resource
 import time
 from datetime import datetime, timezone
 
@@ -85,15 +87,16 @@ def main() -> None:
     print(f"machine: {platform.platform()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"{'batch':>5}  {'ops/sample':>11}  {'ratio':>6}  {'s/sample':>9}  "
-          f"{'ratio':>6}")
+          f"{'ratio':>6}  {'peak RSS GiB':>12}")
     base = None
     for b in batches:
         ops, seconds = measure(model, x_all[:b], y_all[:b], args.method, args.eps,
                                memory)
         per = (ops / b, seconds / b)
         base = base or per
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
         print(f"{b:>5}  {per[0]:>11.0f}  {per[0] / base[0]:>6.3f}  {per[1]:>9.3f}  "
-              f"{per[1] / base[1]:>6.3f}")
+              f"{per[1] / base[1]:>6.3f}  {peak:>12.2f}")
 
 
 if __name__ == "__main__":
