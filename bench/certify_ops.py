@@ -9,7 +9,7 @@ one method with ``--radius`` on a batch of random images of a random-weight
 model (build, the margin drop at one ε, the radius search: what ``lipvit
 certify`` runs), and prints operations and seconds per sample with their
 ratios to batch 1, measured in the same run, and the process's peak resident
-memory so far (batches run in increasing size: the row's own batch at most).
+memory so far (batches run in increasing size).
 
     python bench/certify_ops.py                       # fmnist-3x64, batch 1, 8
     python bench/certify_ops.py --preset cifar-lofast-3x128 --batch 1,8,32
