@@ -18,10 +18,10 @@ The counts are deterministic (the seeds fix weights and images), so a busy
 machine changes the seconds, not the operations.
 
 ``--pushes gpu`` sizes ``taylor``'s tangent pushes as on a GPU (each sample
-its own cache's worth of tangents, :data:`lipvit.certify.linearized.SHARED_CACHE`)
-instead of the CPU's (one cache's worth for the whole batch): the operation
-counts that predict a GPU's come from that run, the CPU's seconds from the
-default one.
+its own cache's worth of tangents,
+:data:`lipvit.certify.taylor.linearized.SHARED_CACHE`) instead of the CPU's (one cache's
+worth for the whole batch): the operation counts that predict a GPU's come from that
+run, the CPU's seconds from the default one.
 
     python bench/certify_ops.py --batch 1,8,32 --pushes gpu   # GPU's operations
     python bench/certify_ops.py --batch 1,8,32                # CPU's seconds
@@ -35,9 +35,9 @@ import time
 from datetime import datetime, timezone
 
 import torch
-from lipvit.certify import linearized
 from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.tangents import parse_memory
+from lipvit.certify.memory import parse_memory
+from lipvit.certify.taylor import linearized
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lipvit

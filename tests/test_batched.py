@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lipvit.certify import linearized
-from lipvit.certify.network import network_bound
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor import linearized
+from lipvit.certify.taylor.certificate import taylor_bound
 
 from lipvit.spectral import matrix_power_iteration
 from tests.conftest import nonlinear_model
@@ -46,7 +46,7 @@ def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, pushes,
     images together equal each image's alone; ``exact``: the whole-matrix
     Jacobian norms from Gram matrices, else the patch-block bound."""
     if not exact:
-        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
     monkeypatch.setitem(linearized.SHARED_CACHE, "cpu", pushes == "cpu")
     model, x, y = _batch(family, 3, **kw)
     together = taylor_bound(model, x, y)

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 from lipvit.analysis.pgd import pgd_deviation
-from lipvit.certify import lofast as L
 from lipvit.certify.attention import attention, attention_probs, query_key, value_output
-from lipvit.certify.lofast import (
+from lipvit.certify.lofast import layer as L
+from lipvit.certify.lofast.layer import (
     certified_lambda_max,
     key_sensitivity,
     lemma2_norm,

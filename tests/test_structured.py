@@ -1,18 +1,19 @@
-"""Tests for lipvit.certify.structured: the structured ζ and ‖M_h(X)‖ certificates.
+"""Tests for lipvit.certify.lofast.structured: the structured ζ and ‖M_h(X)‖
+certificates.
 
 Brute force at tiny sizes in float64 (dense ``eigvalsh`` of the explicit
 Kronecker / Lemma-2 matrices), many seeds, adversarial cases (sharp attention,
 residual ``H = I``, clustered spectra, poor and non-orthonormal bases), and PGD
-lower bounds through :func:`lipvit.certify.lofast.lofast_bound` on the structured route.
-"""
+lower bounds through :func:`lipvit.certify.lofast.layer.lofast_bound` on the structured
+route. """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lipvit.certify import lofast as L
-from lipvit.certify import structured as S
 from lipvit.certify.attention import attention_probs, query_key, value_output
+from lipvit.certify.lofast import layer as L
+from lipvit.certify.lofast import structured as S
 
 from tests.test_lofast import _check_sound, kron_zeta_matrix, layer
 
