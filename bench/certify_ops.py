@@ -16,15 +16,6 @@ ratios to batch 1, measured in the same run.
 
 The counts are deterministic (the seeds fix weights and images), so a busy
 machine changes the seconds, not the operations.
-
-``--pushes gpu`` sizes ``taylor``'s tangent pushes as on a GPU (each sample
-its own cache's worth of tangents,
-:data:`lipvit.certify.taylor.linearized.SHARED_CACHE`) instead of the CPU's (one cache's
-worth for the whole batch): the operation counts that predict a GPU's come from that
-run, the CPU's seconds from the default one.
-
-    python bench/certify_ops.py --batch 1,8,32 --pushes gpu   # GPU's operations
-    python bench/certify_ops.py --batch 1,8,32                # CPU's seconds
 """
 
 from __future__ import annotations
@@ -37,7 +28,6 @@ from datetime import datetime, timezone
 import torch
 from lipvit.certify.evaluate import certify_samples
 from lipvit.certify.memory import parse_memory
-from lipvit.certify.taylor import linearized
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lipvit
@@ -78,10 +68,7 @@ def main() -> None:
     parser.add_argument("--max-memory", default=None,
                         help="taylor's --max-memory (e.g. 8G: 32 samples of "
                              "cifar-lofast-3x128 in one call)")
-    parser.add_argument("--pushes", default="cpu", choices=("cpu", "gpu"),
-                        help="size taylor's tangent pushes as this device does")
     args = parser.parse_args()
-    linearized.SHARED_CACHE["cpu"] = args.pushes == "cpu"
     memory = parse_memory(args.max_memory) if args.max_memory else None
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -94,8 +81,7 @@ def main() -> None:
     with torch.no_grad():
         y_all = model(x_all).argmax(1)
     print(f"{args.method} on {args.preset} ({args.family}, random weights), "
-          f"eps {args.eps}, --radius, {args.threads} thread(s), pushes sized as on "
-          f"a {args.pushes.upper()}")
+          f"eps {args.eps}, --radius, {args.threads} thread(s)")
     print(f"machine: {platform.platform()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"{'batch':>5}  {'ops/sample':>11}  {'ratio':>6}  {'s/sample':>9}  "

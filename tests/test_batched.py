@@ -1,15 +1,13 @@
 """Certificates of a batch are those of its samples alone (issue: ``taylor`` and
 ``lofast`` batched across samples): every bound of a sample is the same, to
-1e-9, whether it is computed alone or beside others, with the tangent pushes
-sized as on a CPU (one cache's worth for the batch) or as on a GPU (one per
-sample)."""
+1e-9, whether it is computed alone or beside others, whatever the tangent
+pushes' sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from lipvit.certify.lofast.network import network_bound
-from lipvit.certify.taylor import linearized
 from lipvit.certify.taylor.certificate import taylor_bound
 
 from lipvit.spectral import matrix_power_iteration
@@ -35,19 +33,21 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return same_inf and torch.allclose(a[fin], b[fin], rtol=1e-9, atol=1e-300)
 
 
-@pytest.mark.parametrize("pushes", ["cpu", "gpu"])
+@pytest.mark.parametrize("push", [None, 3])
 @pytest.mark.parametrize(("family", "kw"), [
     ("lipschitz", {}), ("lipschitz", {"attn_project": "token"}), ("standard", {}),
 ])
 @pytest.mark.parametrize("exact", [True, False])
-def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, pushes,
+def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, push,
                                                  monkeypatch):
     """Margin drops at several ε, every remainder part and the radii of three
     images together equal each image's alone; ``exact``: the whole-matrix
-    Jacobian norms from Gram matrices, else the patch-block bound."""
+    Jacobian norms from Gram matrices, else the patch-block bound; ``push``:
+    tangents per sample and push (a few: many pushes; ``None``: the default)."""
     if not exact:
-        monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
-    monkeypatch.setitem(linearized.SHARED_CACHE, "cpu", pushes == "cpu")
+        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+    if push is not None:
+        monkeypatch.setattr("lipvit.certify.taylor.symbols.push_size", lambda lin: push)
     model, x, y = _batch(family, 3, **kw)
     together = taylor_bound(model, x, y)
     alone = [taylor_bound(model, x[i:i + 1], y[i:i + 1]) for i in range(len(x))]

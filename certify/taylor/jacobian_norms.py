@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from lipvit.certify.memory import MemoryBudgetError, memory_budget
 from lipvit.certify.taylor import margin_jets
-from lipvit.certify.taylor.linearized import CACHE_BYTES, Linearized, push_size
+from lipvit.certify.taylor.linearized import CACHE_BYTES, Linearized
 from lipvit.certify.taylor.remainders import LogitVariance
 from lipvit.certify.taylor.second_order import attention_hessian_norm
 from torch import Tensor
@@ -347,7 +347,7 @@ def norms_of_batch(
             def keep(kind: str, i: int, T: Tensor, parts=parts) -> None:
                 parts.setdefault((kind, i), []).append(T)
 
-            for E_c in E.split(min(how.push, push_size(lin))):
+            for E_c in E.split(how.push):
                 lin.push(lin.embed(E_c.reshape(-1, *x.shape[1:])), 0, keep,
                          logits=how.exact)
             for (kind, i), Ts in parts.items():
