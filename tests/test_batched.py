@@ -45,7 +45,7 @@ def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, push,
     Jacobian norms from Gram matrices, else the patch-block bound; ``push``:
     tangents per sample and push (a few: many pushes; ``None``: the default)."""
     if not exact:
-        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
     if push is not None:
         monkeypatch.setattr("lipvit.certify.taylor.symbols.push_size", lambda lin: push)
     model, x, y = _batch(family, 3, **kw)

@@ -53,8 +53,8 @@ def test_push_is_forward_mode_ad(family, seed, kw):
     E = torch.randn(2, 5, *x.shape[1:], dtype=F64,
                     generator=torch.Generator().manual_seed(9))
     lin = Linearized(model, x)
-    tangents = lin.embed(E.flatten(0, 1))  # (10, N, D)
-    got = _collect(lin, tangents.reshape(2, 5, *tangents.shape[1:]), 0, logits=True)
+    T = lin.embed(E.flatten(0, 1))  # (10, N, D)
+    got = _collect(lin, T.reshape(2, 5, *T.shape[1:]), 0, logits=True)
     got = {key: T.flatten(0, 1) for key, T in got.items()}  # sample-major, as below
     with torch.no_grad(), fwAD.dual_level():
         _, rec = forward(model, fwAD.make_dual(x.repeat_interleave(5, dim=0),
