@@ -78,12 +78,12 @@ def margin_drop_bounds(model: ViT, x: Tensor, y: Tensor, eps: np.ndarray, name: 
     if progress:
         progress(f"{name} bound")
     if name == "taylor":
-        from lipvit.certify.taylor import taylor_bound
+        from lipvit.certify.taylor.certificate import taylor_bound
 
         tb = taylor_bound(model, x, y)
         return torch.stack([tb.margin_drop(float(e)) for e in eps])
     if name == "crown":
-        from lipvit.certify.crown import check_crown_support, crown_margin_bounds
+        from lipvit.certify.crown.bounds import check_crown_support, crown_margin_bounds
 
         check_crown_support(model)
         with torch.no_grad():
@@ -92,7 +92,7 @@ def margin_drop_bounds(model: ViT, x: Tensor, y: Tensor, eps: np.ndarray, name: 
         rows = [m - crown_margin_bounds(model, x, y, float(e)).to(m.dtype)
                 for e in eps]
         return torch.stack(rows).clamp_min(0)
-    from lipvit.certify.network import network_bound
+    from lipvit.certify.lofast.network import network_bound
 
     nb = network_bound(model, x, name)
     K = model.config.num_classes

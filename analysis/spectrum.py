@@ -22,12 +22,12 @@ Three views of how much a trained ViT can amplify a perturbation:
    of the last block, where ``ε_0 = ε · ‖W_pe‖ / min(std)`` is the exact bound
    of the perturbation after normalisation and patch embedding for an image
    perturbation of ℓ2 norm ε. Beside it: the certified budget at the same
-   place (:meth:`lipvit.certify.network.NetworkBound.trace` after the last block's
-   last step: a sound upper bound of the deviation of the final token matrix,
-   before the final norm and the head) and a PGD lower bound of that
-   deviation. The first-order value is **neither** a bound nor an estimate
-   from below: it linearises at the clean point (``‖I + J‖ ≤ 1 + ‖J‖ ≤
-   e^{‖J‖}``) and ignores curvature, which is what the comparison shows.
+   place (:meth:`lipvit.certify.lofast.network.NetworkBound.trace` after the last
+   block's last step: a sound upper bound of the deviation of the final token matrix,
+   before the final norm and the head) and a PGD lower bound of that deviation. The
+   first-order value is **neither** a bound nor an estimate from below: it linearises at
+   the clean point (``‖I + J‖ ≤ 1 + ‖J‖ ≤ e^{‖J‖}``) and ignores curvature, which is
+   what the comparison shows.
 
 Shapes: ``B`` samples, ``L`` blocks, ``H`` heads, ``N`` tokens, ``D`` width.
 """
@@ -229,7 +229,8 @@ class FirstOrder:
         product: ``ε · gain · Π_k (1 + σ_k)``, ``(E, B)``: the same first-order
             estimate for discrete residual steps (``‖I + J‖ ≤ 1 + ‖J‖``, which
             ``e^{‖J‖}`` bounds again); ``≤ first_order``, also not a bound.
-        certified: the sound budget of :func:`lipvit.certify.network.network_bound`
+        certified: the sound budget of
+        :func:`lipvit.certify.lofast.network.network_bound`
             after the last block, ``(E, B)``.
         pgd: PGD lower bound of the same deviation, ``(E, B)``.
         gain: :func:`embed_gain`.
@@ -296,7 +297,7 @@ def first_order_deviation(
             ``"lofast-fast"`` or ``"specformer"``).
         pgd_steps, pgd_restarts, seed: the PGD lower bound.
     """
-    from lipvit.certify.network import network_bound
+    from lipvit.certify.lofast.network import network_bound
 
     values = check_eps_list(eps)
     x = x.to(model.pos_embed.dtype)

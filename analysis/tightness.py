@@ -21,16 +21,15 @@ Two targets:
   ``X`` while the attention sees that of ``norm1(X)``. Where ``norm1`` is not
   the identity (LayerNorm; LayerProject on inputs outside its ball, which is
   the usual case for the lipschitz family) the two do not share ``Γ`` and
-  :func:`lipvit.certify.network.network_bound` bounds the attention with ``H = 0`` on
-  ``Z`` and adds the residual separately; that ``H = 0`` map is then the one
-  compared here. Only when ``norm1`` is the identity on the whole ball does
-  the model's block equal LoFAST's residual layer (``H = I``).
-  ``residual=True`` forces ``H = I`` on the same ``Z``: LoFAST's Table 3
-  setting (a residual layer fed the projected input), which is not the
-  model's own block when ``norm1`` projects.
+  :func:`lipvit.certify.lofast.network.network_bound` bounds the attention with ``H =
+  0`` on ``Z`` and adds the residual separately; that ``H = 0`` map is then the one
+  compared here. Only when ``norm1`` is the identity on the whole ball does the model's
+  block equal LoFAST's residual layer (``H = I``). ``residual=True`` forces ``H = I`` on
+  the same ``Z``: LoFAST's Table 3 setting (a residual layer fed the projected input),
+  which is not the model's own block when ``norm1`` projects.
 * **the whole network** (:func:`network_tightness`): ``F`` maps the image (in
   ``[0, 1]``, perturbed in ℓ2 over the whole ball, no box) to the logits; the
-  bounds are :meth:`lipvit.certify.network.NetworkBound.delta_out`.
+  bounds are :meth:`lipvit.certify.lofast.network.NetworkBound.delta_out`.
 
 Bounds (registry :data:`LAYER_METHODS`, :data:`NETWORK_METHODS`; docs/math.md §2, §3):
 
@@ -142,7 +141,7 @@ NETWORK_METHODS: dict[str, BoundMethod] = {
             "lofast",
             "LoFAST (composed, exact)",
             True,
-            "lipvit.certify.network.network_bound, method lofast",
+            "lipvit.certify.lofast.network.network_bound, method lofast",
         ),
         BoundMethod(
             "lofast-fast",
@@ -209,8 +208,8 @@ class Tightness:
         traces: network target only: method → ``{"steps": names, "mean": (E, S+1),
             "mean_cls": (E, S+1)}``, the mean budgets of the whole token matrix
             and of the class token after each step of the composed bound
-            (:meth:`lipvit.certify.network.NetworkBound.trace`; column 0 is the input),
-            which show where the bound grows.
+            (:meth:`lipvit.certify.lofast.network.NetworkBound.trace`; column 0 is the
+            input), which show where the bound grows.
     """
 
     target: str
@@ -361,7 +360,7 @@ def uniform_attention_note(Z: Tensor, W_q: Tensor, W_k: Tensor) -> str | None:
 
 def crown_available() -> bool:
     """Whether auto_LiRPA can be imported (the optional CROWN backend)."""
-    from lipvit.certify.lirpa_compat import auto_lirpa_available
+    from lipvit.certify.crown.lirpa_compat import auto_lirpa_available
 
     return auto_lirpa_available()
 
@@ -381,7 +380,7 @@ class _LayerNet(nn.Module):
     """``vec(Z) ↦ vec(H Z + attn(Z))`` with verifier-friendly operators.
 
     Input and output are flat, ``(B, N·D)``, as
-    :func:`lipvit.certify.crown.bound_module` takes them; an identity ``Linear``
+    :func:`lipvit.certify.crown.bounds.bound_module` takes them; an identity ``Linear``
     comes first because auto_LiRPA reads the ℓ2 radius at the first linear map of
     the input.
     """
@@ -394,7 +393,7 @@ class _LayerNet(nn.Module):
         dtype: torch.dtype,
     ):
         super().__init__()
-        from lipvit.certify.verifiable import VerifiableAttention
+        from lipvit.certify.crown.verifiable import VerifiableAttention
 
         n = shape[0] * shape[1]
         self.shape = shape
@@ -414,7 +413,7 @@ class _LayerNet(nn.Module):
 
 
 def _crown_layer(block, Z: Tensor, residual: bool, eps: float) -> Tensor:
-    from lipvit.certify.crown import bound_module
+    from lipvit.certify.crown.bounds import bound_module
 
     B, N, D = Z.shape
     net = _LayerNet(block.attn, (N, D), residual, Z.dtype).to(Z.device)
@@ -426,7 +425,7 @@ def _crown_layer(block, Z: Tensor, residual: bool, eps: float) -> Tensor:
 
 
 def _crown_network(model: ViT, x: Tensor, eps: float) -> Tensor:
-    from lipvit.certify.crown import crown_logit_bounds
+    from lipvit.certify.crown.bounds import crown_logit_bounds
 
     with torch.no_grad():
         F0 = model(x)
@@ -508,7 +507,7 @@ def layer_tightness(
         ValueError: bad layer, radii or method names.
         UnsupportedModelError: biased query/key maps.
     """
-    from lipvit.certify.network import check_dot_attention
+    from lipvit.certify.lofast.network import check_dot_attention
 
     model = _check_model(model)
     check_dot_attention(model, "the layer tightness comparison (every bound in it)")
@@ -533,8 +532,8 @@ def layer_tightness(
         split = (
             "residual as in the model: norm1 is not the identity on the ball, so the "
             "residual does not share the attention input's perturbation; the "
-            "attention map itself (H = 0) is compared, as lipvit.certify.network "
-            "bounds it"
+            "attention map itself (H = 0) is compared, as "
+            "lipvit.certify.lofast.network bounds it"
         )
         notes.append(same if res else split)
     elif isinstance(residual, bool):
@@ -563,7 +562,7 @@ def layer_tightness(
         if n in ("naive", "lofast-xi", "lofast", "lofast-half", "lofast-local")
     ]
     if lofast_names:
-        from lipvit.certify.lofast import lofast_terms
+        from lipvit.certify.lofast.layer import lofast_terms
 
         if progress:
             progress("lofast terms")
@@ -626,7 +625,8 @@ def layer_tightness(
 
 
 def token_budgets(trace: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Split :meth:`~lipvit.certify.network.NetworkBound.trace` into ``(all, cls)``.
+    """Split :meth:`~lipvit.certify.lofast.network.NetworkBound.trace` into ``(all,
+    cls)``.
 
     ``all`` ``(B, S+1)`` bounds the whole token matrix's perturbation after each
     step, ``cls`` ``(B, S+1)`` the class token's (``None`` for a chain that
@@ -677,7 +677,7 @@ def network_tightness(
     Returns:
         :class:`Tightness` with ``target="network"``.
     """
-    from lipvit.certify.network import network_bound
+    from lipvit.certify.lofast.network import network_bound
 
     model = _check_model(model)
     eps_arr = check_eps_list(eps)
@@ -695,7 +695,7 @@ def network_tightness(
             if not crown_available():
                 notes.append("crown skipped: auto_LiRPA is not installed")
                 continue
-            from lipvit.certify.crown import check_crown_support
+            from lipvit.certify.crown.bounds import check_crown_support
 
             try:
                 check_crown_support(model)

@@ -23,10 +23,10 @@ import torch
 from _points import float64_points
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.attention import attention, bound_weights
-from lipvit.certify.network import network_bound
-from lipvit.certify.remainders import attention_remainder
-from lipvit.certify.sites import forward
-from lipvit.certify.subblock import with_softmax_gains
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor.forward import forward
+from lipvit.certify.taylor.remainders import attention_remainder
+from lipvit.certify.taylor.subblock import with_softmax_gains
 
 
 def main() -> None:

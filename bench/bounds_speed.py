@@ -3,7 +3,7 @@
 Three measurements, each printed as a markdown table:
 
 1. ζ (LoFAST eq. 15) for growing ``N·D``: the matrix-free power-iteration
-   estimate (``lipvit.certify.lofast.key_sensitivity(exact=False)``) against the
+   estimate (``lipvit.certify.lofast.layer.key_sensitivity(exact=False)``) against the
    exact routes — the library's ``exact=True`` (dense Gram ``eigvalsh`` up to
    ``N·D = 256``, power iteration + Cholesky certificate above) and a plain
    dense SVD of the explicit ``(N·D) × (N·D)`` Kronecker matrix.
@@ -12,7 +12,8 @@ Three measurements, each printed as a markdown table:
    of one backward pass per output entry, as the paper's reference code does
    (the loop here is already batched over samples through the sum trick,
    which favours the baseline).
-3. Per-sample time of ``lipvit.certify.lofast.lofast_bound`` for all three attention
+3. Per-sample time of ``lipvit.certify.lofast.layer.lofast_bound`` for all three
+attention
    layers of the LoFAST 3-layer 128-wide model (``cifar-lofast-3x128``,
    lipschitz family: N = 65, D = 128, H = 8, randomly initialised, inputs
    projected onto the Frobenius ball of radius 1 as the model does), exact and
@@ -43,7 +44,8 @@ from typing import Any
 import torch
 from lipvit.analysis.jacobian import jacobian_l1_linf_estimate
 from lipvit.certify.attention import attention_probs, value_output
-from lipvit.certify.lofast import key_sensitivity, lofast_bound, sensitivity_matrix
+from lipvit.certify.lofast.layer import key_sensitivity, lofast_bound
+from lipvit.certify.lofast.operators import sensitivity_matrix
 from torch import Tensor
 
 from lipvit import ViT, ViTConfig, preset

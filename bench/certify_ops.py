@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 
 import torch
 from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.tangents import parse_memory
+from lipvit.certify.memory import parse_memory
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lipvit

@@ -1,6 +1,6 @@
 """Certification speed (issue 9): samples per second of every bound method.
 
-Measures ``lipvit.certify.network.network_bound`` + ``delta_out`` (what ``lipvit
+Measures ``lipvit.certify.lofast.network.network_bound`` + ``delta_out`` (what ``lipvit
 certify`` runs per batch) for ``lofast`` (sound), ``lofast-fast`` (estimate)
 and ``specformer``, and optionally CROWN (``--crown``, auto_LiRPA), as
 process CPU time per sample (the machine may be shared) or, on CUDA,
@@ -30,9 +30,9 @@ import time
 
 import torch
 from lipvit.certify.attention import attention_logits, value_output
-from lipvit.certify.lofast import sensitivity_gram
-from lipvit.certify.network import network_bound
-from lipvit.certify.structured import zeta_certificate
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.lofast.operators import sensitivity_gram
+from lipvit.certify.lofast.structured import zeta_certificate
 
 from lipvit import ViT, preset
 
@@ -50,7 +50,7 @@ def per_sample(model, x, method: str, device: torch.device) -> float:
     """Seconds per sample of one bound (clean logits, all layers, δ_out at one ε)."""
     t0 = _clock(device)
     if method == "crown":
-        from lipvit.certify.crown import crown_certify
+        from lipvit.certify.crown.bounds import crown_certify
 
         crown_certify(model, x, torch.zeros(x.shape[0], dtype=torch.long,
                                             device=device), 0.01)

@@ -1,6 +1,6 @@
 """CROWN's CPU time per sample: the bounded model rebuilt per sample (before) or
-built once per run (:class:`certify.crown.CrownModel`), each without and with
-``GLIBC_TUNABLES=glibc.malloc.mmap_max=0``, measured in the same run.
+built once per run (:class:`lipvit.certify.crown.bounds.CrownModel`), each without and
+with ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0``, measured in the same run.
 
     PYTHONPATH=. python bench/crown_speed.py --samples 4
 
@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from lipvit.certify import crown
+from lipvit.certify.crown import bounds as crown
 
 import lipvit
 from lipvit.allocator import GUARD

@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${SITE:-}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
     > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-python3 -c "import torch, lipvit.certify.taylor; print(torch.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch, lipvit.certify.taylor.certificate; print(torch.__version__, torch.cuda.get_device_name())"
 timeout 90 python3 -m pytest -m gpu -p no:cacheprovider -rs -o addopts="" -q \
     tests/test_lofast.py tests/test_structured.py tests/test_tangents.py \
     tests/test_jets.py tests/test_rounding.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15

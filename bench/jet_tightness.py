@@ -22,7 +22,7 @@ import time
 import torch
 from _points import float64_points
 from lipvit.analysis.pgd import pgd_taylor_rest
-from lipvit.certify.jet_vit import JetMargins
+from lipvit.certify.taylor.margin_jets import JetMargins
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 

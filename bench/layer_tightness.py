@@ -45,7 +45,8 @@ import time
 import torch
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.attention import attention, attention_probs
-from lipvit.certify.lofast import lofast_terms, sensitivity_matvec, sensitivity_rmatvec
+from lipvit.certify.lofast.layer import lofast_terms
+from lipvit.certify.lofast.operators import sensitivity_matvec, sensitivity_rmatvec
 from lipvit.certify.specformer import specformer_terms
 from torch import Tensor
 

@@ -45,8 +45,9 @@ import time
 
 import torch
 from _points import float64_points
-from lipvit.certify.sites import forward, site_gradients
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.taylor.certificate import taylor_bound
+from lipvit.certify.taylor.forward import forward
+from lipvit.certify.taylor.sites import site_gradients
 
 H_SCALES = (0.0, 0.25, 0.5, 1.0)
 """``h_i = max(a_i, κ·reach_i)`` for these ``κ`` (``κ = 0``: ``h = a``)."""

@@ -3,11 +3,11 @@
 For the attention sub-block ``s ↦ s + attn(N(s))`` of every block, on the test
 points of a checkpoint (the same seeded subsample as ``lipvit certify --n``):
 the product bound ``1 + ‖J_a‖ ‖J_N‖``, the structured bound
-(:func:`lipvit.certify.subblock.subblock_bound`, LayerProject or LayerNorm
+(:func:`lipvit.certify.taylor.subblock.subblock_bound`, LayerProject or LayerNorm
 blocks, softmax path by rows or by the weighted factorisation of
-:mod:`lipvit.certify.softmax_norm`; both are what the ``taylor`` budget
+:mod:`lipvit.certify.taylor.softmax_norm`; both are what the ``taylor`` budget
 recursion uses for large models), and the exact norm that
-:func:`lipvit.certify.sites.subblock_norms` computes from the whole
+:func:`lipvit.certify.taylor.subblock.subblock_norms` computes from the whole
 ``(N·D) × (N·D)`` Jacobian (docs/taylor.md §8); ranges over the points. For a
 standard model also the next block's LayerNorm composed with the feed-forward
 sub-block, exact (``SubBlockNorms.into``) against the product of the norms.
@@ -22,7 +22,7 @@ can be.
 
 With ``--radii``, also ``taylor``'s radius of each correctly classified point
 as the certificate computes it and with the exact norms at every size (the
-dense mode's size limit :data:`lipvit.certify.sites.EXACT_MAX` lifted): what
+dense mode's size limit :data:`lipvit.certify.taylor.subblock.EXACT_MAX` lifted): what
 the structured bounds cost in radius, and the time of each.
 
 Usage::
@@ -37,18 +37,23 @@ import time
 
 import torch
 from _points import float64_points
-from lipvit.certify import sites
 from lipvit.certify.attention import bound_weights, value_output
 from lipvit.certify.local import (
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
 )
-from lipvit.certify.lofast import LoFASTTerms
-from lipvit.certify.network import network_bound
-from lipvit.certify.remainders import attention_jacobian_norm
-from lipvit.certify.sites import forward, subblock_norms
-from lipvit.certify.subblock import subblock_bound, subblock_parts, with_softmax_gains
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.lofast.layer import LoFASTTerms
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor import subblock
+from lipvit.certify.taylor.certificate import taylor_bound
+from lipvit.certify.taylor.forward import forward
+from lipvit.certify.taylor.remainders import attention_jacobian_norm
+from lipvit.certify.taylor.subblock import (
+    subblock_bound,
+    subblock_norms,
+    subblock_parts,
+    with_softmax_gains,
+)
 
 
 def _range(t: torch.Tensor) -> str:
@@ -143,16 +148,16 @@ def radii(model, x: torch.Tensor, y: torch.Tensor) -> None:
     torch.set_num_threads(1)
     right = model(x).argmax(1) == y
     x, y = x[right], y[right]
-    limit = sites.EXACT_MAX
+    limit = subblock.EXACT_MAX
     try:
         for name, size in (("as certified", limit), ("exact sub-blocks", 10**9)):
-            sites.EXACT_MAX = size
+            subblock.EXACT_MAX = size
             start = time.process_time()
             r = taylor_bound(model, x, y).radius()
             print(f"{name}: radii {' '.join(f'{v:.3g}' for v in r.tolist())} "
                   f"(median {r.median():.3g}), {time.process_time() - start:.0f} s CPU")
     finally:
-        sites.EXACT_MAX = limit
+        subblock.EXACT_MAX = limit
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from contextlib import contextmanager
 import torch
 from _points import float64_points
 from lipvit.analysis.pgd import pgd_deviation
-from lipvit.certify import taylor
-from lipvit.certify.sites import forward
+from lipvit.certify.taylor import certificate as taylor
+from lipvit.certify.taylor.forward import forward
 
 
 @contextmanager

@@ -53,8 +53,8 @@ import time
 from datetime import date
 
 import torch
-from lipvit.certify.network import network_bound
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor.certificate import taylor_bound
 from torch.utils.flop_counter import FlopCounterMode
 
 from lipvit import ViT, preset, spectral
@@ -156,7 +156,7 @@ def profile(name: str, family: str, device: str, rows: int = 20) -> None:
 def tightness(model, x, label: str) -> str:
     """The patch-block bounds of the whole-matrix image Jacobian norms over the
     exact ones (``n × n`` Gram matrices), ranges over samples and states."""
-    from lipvit.certify.sites import jacobian_norms
+    from lipvit.certify.taylor.jacobian_norms import jacobian_norms
 
     n = x[0].numel()
     exact = jacobian_norms(model, x, exact_max=n, max_memory=64 * 2**30)

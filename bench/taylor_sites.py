@@ -23,7 +23,7 @@ import time
 
 import torch
 from _points import float64_points
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.taylor.certificate import taylor_bound
 
 
 def main() -> None:

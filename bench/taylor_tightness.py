@@ -29,8 +29,8 @@ import torch
 from _points import float64_points
 from lipvit.analysis.pgd import pgd_margin_drop
 from lipvit.certify.certification import certified_radius, margin
-from lipvit.certify.network import network_bound
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor.certificate import taylor_bound
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ from datetime import date
 
 import torch
 from lipvit.certify.attention import attention_probs, bound_weights
-from lipvit.certify.sites import forward
-from lipvit.certify.structured import zeta_certificate
+from lipvit.certify.lofast.structured import zeta_certificate
+from lipvit.certify.taylor.forward import forward
 
 from lipvit import ViT, preset
 

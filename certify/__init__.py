@@ -12,17 +12,17 @@ whatever the model's dtype. Everything else is internal to its submodule.
 from lipvit._lazy import lazy_getattr
 
 _PUBLIC = {
-    "NetworkBound": ".network",
-    "network_bound": ".network",
+    "NetworkBound": ".lofast.network",
+    "network_bound": ".lofast.network",
     "CertifyReport": ".evaluate",
     "certify_samples": ".evaluate",
     "certified_radius": ".certification",
     "is_certified": ".certification",
     "margin": ".certification",
-    "lofast_bound": ".lofast",
+    "lofast_bound": ".lofast.layer",
     "specformer_bound": ".specformer",
-    "TaylorBound": ".taylor",
-    "taylor_bound": ".taylor",
+    "TaylorBound": ".taylor.certificate",
+    "taylor_bound": ".taylor.certificate",
 }
 
 __all__ = sorted(_PUBLIC)

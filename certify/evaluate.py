@@ -8,9 +8,8 @@ Methods: ``lofast`` (exact ζ and ‖M_h‖, every number an upper bound),
 auto_LiRPA's optimised ReLU slopes for the margins), ``cascade`` (``lofast`` first,
 CROWN only on the correctly classified samples ``lofast`` left uncertified),
 ``taylor`` (first-order-exact margins with certified remainders,
-:mod:`lipvit.certify.taylor`, docs/taylor.md) and ``cascade-taylor`` (``taylor``
-first, CROWN on the rest).
-"""
+:mod:`lipvit.certify.taylor.certificate`, docs/taylor.md) and ``cascade-taylor``
+(``taylor`` first, CROWN on the rest). """
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from lipvit.certify import sites
 from lipvit.certify.certification import (
     certified_margin,
     certified_radius,
@@ -30,10 +28,10 @@ from lipvit.certify.certification import (
 )
 from lipvit.certify.eps import check_eps_list
 from lipvit.certify.global_bound import check_global, global_constant, global_radius
-from lipvit.certify.network import METHODS as BOUND_METHODS
-from lipvit.certify.network import network_bound
-from lipvit.certify.tangents import taylor_batch
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.lofast.network import METHODS as BOUND_METHODS
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor.certificate import taylor_bound
+from lipvit.certify.taylor.jacobian_norms import taylor_batch
 from torch import Tensor
 
 from lipvit.errors import UnsupportedModelError
@@ -44,7 +42,8 @@ ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "alpha-crown"
 CASCADES = {"cascade": "lofast", "cascade-taylor": "taylor"}
 """Each cascade: its first method; CROWN runs on what that left uncertified."""
 LIRPA_METHODS = {"crown": "CROWN", "alpha-crown": "alpha-CROWN"}
-"""The auto_LiRPA methods: each name's bound method in :mod:`lipvit.certify.crown`."""
+"""The auto_LiRPA methods: each name's bound method in
+:mod:`lipvit.certify.crown.bounds`."""
 QUANTITIES = {
     "taylor": {
         "first_order": "exact: ||c_j^T J|| eps, autograd gradients in float64",
@@ -167,11 +166,11 @@ def _batches(n: int, batch_size: int):
 def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, max_symbols, add,
             certified, radii) -> None:
     """``taylor`` on one batch, a memory-sized part at a time
-    (:func:`lipvit.certify.tangents.taylor_batch`); appends one entry per ε
+    (:func:`lipvit.certify.taylor.jacobian_norms.taylor_batch`); appends one entry per ε
     (and radius) for the whole batch, as the other methods do."""
     oks: dict[float, list[Tensor]] = {eps: [] for eps in eps_list}
     rs = []
-    for part in _batches(len(x), taylor_batch(model, max_memory, sites.EXACT_GRAM_MAX)):
+    for part in _batches(len(x), taylor_batch(model, max_memory)):
         t0 = time.perf_counter()
         tb = taylor_bound(model, x[part], y[part], max_memory=max_memory,
                           max_symbols=max_symbols)
@@ -220,10 +219,10 @@ def certify_samples(
             goes: after each method of a batch with that method's share of the
             batch (fractions of samples), and after every CROWN sample.
         max_memory: bytes ``taylor`` may hold (its tangents, and its samples
-            at a time: :func:`lipvit.certify.tangents.taylor_batch`); default
-            :func:`lipvit.certify.tangents.default_max_memory`.
+            at a time: :func:`lipvit.certify.taylor.jacobian_norms.taylor_batch`);
+            default :func:`lipvit.certify.memory.default_max_memory`.
         max_symbols: ``taylor``'s ReLU symbols per sample and block (lipschitz
-            family); default :func:`lipvit.certify.symbols.default_max_symbols`.
+            family); default :func:`lipvit.certify.taylor.symbols.default_max_symbols`.
 
     Returns:
         A :class:`CertifyReport`; ``seconds_per_sample`` of a (method, ε) row is
@@ -270,7 +269,7 @@ def certify_samples(
 
     crown = None  # one bounded model for the whole run
     if crown_runs:
-        from lipvit.certify.crown import crown_model
+        from lipvit.certify.crown.bounds import crown_model
 
         crown = crown_model(model, x.device)
 
@@ -371,8 +370,8 @@ def _crown_each(model: ViT, crown, x: Tensor, y: Tensor, eps: float,
     """CROWN (or alpha-CROWN: ``method``) certificates one sample at a time
     (CROWN takes minutes per sample on a CPU: progress advances per sample),
     all with the one bounded model of ``crown`` (a
-    :class:`lipvit.certify.crown.CrownModel`)."""
-    from lipvit.certify.crown import crown_certify
+    :class:`lipvit.certify.crown.bounds.CrownModel`)."""
+    from lipvit.certify.crown.bounds import crown_certify
 
     out = []
     for i in range(x.shape[0]):  # on the chosen device

@@ -16,7 +16,7 @@ import os
 import torch
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.attention import attention
-from lipvit.certify.lofast import lofast_bound
+from lipvit.certify.lofast.layer import lofast_bound
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from lipvit.analysis.tightness import token_budgets
 from lipvit.certify.certification import certified_radius, is_certified, margin
-from lipvit.certify.network import network_bound
+from lipvit.certify.lofast.network import network_bound
 
 import lipvit
 from lipvit.checkpoint import load_checkpoint

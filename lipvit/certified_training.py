@@ -17,7 +17,7 @@ drop over the ε-ball:
 
 ``z_i = w_iᵀ P₂(x_t) + b_i`` a unit's pre-activation, ``g_u,j*`` the margin's
 gradient with respect to the unit's ReLU output (the ``act`` site of
-:mod:`lipvit.certify.sites`) and ``ρ`` (``TrainConfig.cert_stream``) the move
+:mod:`lipvit.certify.taylor.sites`) and ``ρ`` (``TrainConfig.cert_stream``) the move
 of a token at an SLL input per unit of image perturbation. The first term is
 **exact** (the same first-order term ``taylor`` computes, here in the training
 precision); the second **bounds** the ReLU sites' share ``Σ |g_u,i| |r_i|``

@@ -17,102 +17,20 @@ dot-product attention for one of the token mixers of :mod:`lipvit.attention`
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lipvit.attention import (  # noqa: F401 (Attention and the heads' types: model API)
+    Attention,
+    HeadBiases,
+    HeadWeights,
+    build_attention,
+)
 from lipvit.config import ViTConfig
 from lipvit.hybrid import HybridViT
-from lipvit.layers import SLL, LayerProject, SpectralCap, capped_linear
-
-
-class HeadWeights(NamedTuple):
-    """Per-head attention matrices (see :meth:`Attention.head_weights`)."""
-
-    W_q: Tensor  # (H, D, d)
-    W_k: Tensor  # (H, D, d)
-    W_v: Tensor  # (H, D, d)
-    W_o: Tensor  # (H, d, D)
-
-
-class HeadBiases(NamedTuple):
-    """Attention biases; ``None`` where the layer has none.
-
-    ``b_v`` and ``b_o`` add a constant to the output (softmax rows sum to 1, so
-    ``P 1 b_vᵀ W_o = 1 b_vᵀ W_o``) and never change a perturbation; ``b_q`` and
-    ``b_k`` do, and the LoFAST bound refuses layers that have them.
-    """
-
-    b_q: Tensor | None  # (H, d)
-    b_k: Tensor | None  # (H, d)
-    b_v: Tensor | None  # (H, d)
-    b_o: Tensor | None  # (D,)
-
-
-class Attention(nn.Module):
-    """Multi-head dot-product self-attention ``Σ_h softmax(q_h k_hᵀ/√d) v_h W_o[h]``."""
-
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        D, H = cfg.embed_dim, cfg.num_heads
-        self.num_heads, self.head_dim = H, cfg.head_dim
-        self.qkv = nn.Linear(D, 3 * D, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(D, D)
-        if cfg.family == "lipschitz":
-            P = nn.utils.parametrize.register_parametrization
-            P(
-                self.qkv,
-                "weight",
-                SpectralCap(cfg.v_cap, "rows_per_head", H, (2 * D, 3 * D)),
-            )
-            P(self.proj, "weight", SpectralCap(cfg.o_cap, "cols_per_head", H))
-
-    def forward(self, x: Tensor) -> Tensor:
-        B, N, D = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # 3 × (B, H, N, d)
-        out = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, d)
-        return self.proj(out.transpose(1, 2).reshape(B, N, D))
-
-    def head_weights(self) -> HeadWeights:
-        """Per-head ``(W_q, W_k, W_v, W_o)`` of shapes ``(H, D, d)×3, (H, d, D)``.
-
-        Ignoring biases, ``forward(X) = Σ_h softmax(X W_q[h] (X W_k[h])ᵀ/√d)
-        X W_v[h] W_o[h]`` exactly (LoFAST eq. 4, 6 with ``H = 0``). The
-        weights are the effective ones (caps applied) and keep their gradients.
-        """
-        W_q, W_k, W_v = self.head_weights_t().mT  # each (H, D, d)
-        H, d = self.num_heads, self.head_dim
-        W_o = self.proj.weight.T.reshape(H, d, -1)  # (H, d, D)
-        return HeadWeights(W_q, W_k, W_v, W_o)
-
-    def head_weights_t(self) -> Tensor:
-        """``W_q[h]ᵀ, W_k[h]ᵀ, W_v[h]ᵀ`` stacked: ``(3, H, d, D)``.
-
-        The fused ``qkv`` weight's row blocks, reshaped without a copy (MSVP's
-        hot path); :meth:`head_weights` transposes them.
-        """
-        W = self.qkv.weight  # (3D, D)
-        return W.reshape(3, self.num_heads, self.head_dim, W.shape[1])
-
-    def head_biases(self) -> HeadBiases:
-        """Biases in the layout of :meth:`head_weights`."""
-        H, d = self.num_heads, self.head_dim
-        b = self.qkv.bias
-        b_q, b_k, b_v = (None,) * 3 if b is None else b.reshape(3, H, d)
-        return HeadBiases(b_q, b_k, b_v, self.proj.bias)
-
-
-def build_attention(cfg: ViTConfig) -> nn.Module:
-    """The token mixer ``cfg.attention`` selects (:mod:`lipvit.attention`)."""
-    if cfg.attention == "dot":
-        return Attention(cfg)
-    # Imported here: the variants subclass Attention, defined above.
-    from lipvit.attention import VARIANTS
-
-    return VARIANTS[cfg.attention](cfg)
+from lipvit.layers import SLL, LayerProject, capped_linear
 
 
 class MLP(nn.Module):

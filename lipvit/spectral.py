@@ -211,6 +211,21 @@ def eigvalsh_upper(G: Tensor, scale: Tensor | float, inner: int) -> Tensor:
     return lam + margin
 
 
+def gram_norm(T: Tensor) -> Tensor:
+    """``‖J‖`` from tangents ``T = J E`` ``(..., n, M)`` (``E`` the identity): exact,
+    ``√λ_max`` of the smaller Gram matrix (``T Tᵀ`` or ``Tᵀ T``, the same
+    ``λ_max``) by eigvalsh, rounded up by a relative ``1e-12``."""
+    if T.shape[-2] <= T.shape[-1]:
+        return top_root(T @ T.transpose(-1, -2))
+    return top_root(T.transpose(-1, -2) @ T)
+
+
+def top_root(gram: Tensor) -> Tensor:
+    """``√λ_max`` of symmetric PSD matrices ``(..., k, k)``, rounded up."""
+    lam = eigvalsh(gram)[..., -1].clamp_min(0)
+    return (lam * (1 + 1e-12) + 1e-300).sqrt()
+
+
 def spectral_norm(W: Tensor) -> Tensor:
     """Exact largest singular value per matrix of ``W``: ``(..., m, n)`` → ``(...)``.
 

@@ -242,13 +242,13 @@ def full_jacobian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 
 def share_jets(monkeypatch, cache: dict) -> None:
-    """Make ``lipvit.certify.jet_vit.JetMargins`` build each second-order model
-    once per ``cache``: the same weights, image, label and arguments give the
-    same (deterministic, after construction read-only) object, so tests whose
-    bounds need the same jets share them instead of rebuilding them."""
+    """Make ``lipvit.certify.taylor.margin_jets.JetMargins`` build each second-order
+    model once per ``cache``: the same weights, image, label and arguments give the same
+    (deterministic, after construction read-only) object, so tests whose bounds need the
+    same jets share them instead of rebuilding them."""
     import hashlib
 
-    from lipvit.certify import jet_vit
+    from lipvit.certify.taylor import margin_jets as jet_vit
 
     build = jet_vit.JetMargins
 

@@ -13,8 +13,8 @@ from lipvit.analysis.attacks import robust_accuracy
 from lipvit.analysis.jacobian import block_jacobian_sigma, full_jacobian
 from lipvit.analysis.spectrum import jacobian_spectrum, weight_spectra
 from lipvit.analysis.tightness import layer_tightness, network_tightness
-from lipvit.certify.crown import check_crown_support
-from lipvit.certify.network import network_bound
+from lipvit.certify.crown.bounds import check_crown_support
+from lipvit.certify.lofast.network import network_bound
 
 from lipvit.attention import ConvMixing, L2Attention, LipNormAttention, SCSAttention
 from lipvit.checkpoint import load_checkpoint, save_checkpoint

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lipvit.certify.network import network_bound
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor.certificate import taylor_bound
 
 from lipvit.spectral import matrix_power_iteration
 from tests.conftest import nonlinear_model
@@ -45,9 +45,9 @@ def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, push,
     Jacobian norms from Gram matrices, else the patch-block bound; ``push``:
     tangents per sample and push (a few: many pushes; ``None``: the default)."""
     if not exact:
-        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
     if push is not None:
-        monkeypatch.setattr("lipvit.certify.symbols.push_size", lambda lin: push)
+        monkeypatch.setattr("lipvit.certify.taylor.symbols.push_size", lambda lin: push)
     model, x, y = _batch(family, 3, **kw)
     together = taylor_bound(model, x, y)
     alone = [taylor_bound(model, x[i:i + 1], y[i:i + 1]) for i in range(len(x))]

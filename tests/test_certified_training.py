@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from lipvit.certify.sites import forward
+from lipvit.certify.taylor.forward import forward
 
 from lipvit.certified_training import CertifiedLoss, cert_eps_at, check_certifiable
 from lipvit.checkpoint import load_checkpoint
@@ -71,7 +71,8 @@ def test_first_order_term_is_the_exact_margin_gradient_norm(seed):
 
 def _act_gradients(model: ViT, x: torch.Tensor, y: torch.Tensor, j: torch.Tensor):
     """The margin's gradient w.r.t. each block's ReLU output, by the certificate's
-    own injection (:func:`lipvit.certify.sites.forward`), and the clean record."""
+    own injection (:func:`lipvit.certify.taylor.forward.forward`), and the clean
+    record."""
     with torch.no_grad():
         _, rec = forward(model, x)
     inject = {(k, "act"): torch.zeros_like(z, requires_grad=True)

@@ -10,8 +10,8 @@ import torchattacks
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.certification import certified_radius, is_certified, margin
 from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.lofast import zeta_cls
-from lipvit.certify.network import network_bound
+from lipvit.certify.lofast.layer import zeta_cls
+from lipvit.certify.lofast.network import network_bound
 
 import lipvit
 from lipvit.checkpoint import load_checkpoint

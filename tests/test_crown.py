@@ -1,4 +1,4 @@
-"""Tests for lipvit.certify.verifiable, .lirpa_compat and .crown (CROWN backend).
+"""Tests for lipvit.certify.crown.verifiable, .lirpa_compat and .crown (CROWN backend).
 
 The verifiable-model tests need no auto_LiRPA. The bound tests (marked
 ``crown``) are skipped when auto_LiRPA cannot be imported; they check CROWN's
@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from lipvit.certify import crown
-from lipvit.certify.lirpa_compat import INSTALL_HINT, auto_lirpa_available
-from lipvit.certify.verifiable import (
+from lipvit.certify.crown import bounds as crown
+from lipvit.certify.crown.lirpa_compat import INSTALL_HINT, auto_lirpa_available
+from lipvit.certify.crown.verifiable import (
     ProjectScale,
     VerifiableLayerProject,
     project_scale,
@@ -174,7 +174,7 @@ def test_bad_inputs_raise(kwargs, error):
 @pytest.mark.crown
 @needs_lirpa
 def test_compat_import_is_idempotent_and_parameters_keep_their_names():
-    from lipvit.certify import lirpa_compat
+    from lipvit.certify.crown import lirpa_compat
 
     lirpa = lirpa_compat.import_auto_lirpa()
     applied = list(lirpa_compat.APPLIED)

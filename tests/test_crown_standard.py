@@ -1,5 +1,5 @@
 """CROWN on the standard family: lipvit's relaxations of the exact GELU and of
-LayerNorm's ``1/√(v + η)`` (lipvit.certify.relaxations), and whole-network
+LayerNorm's ``1/√(v + η)`` (lipvit.certify.crown.relaxations), and whole-network
 bounds of trained LayerNorm/GELU ViTs against sampling and PGD (float64,
 several seeds); certified points survive attacks.
 """
@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lipvit.certify import crown
-from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.relaxations import (
+from lipvit.certify.crown import bounds as crown
+from lipvit.certify.crown.relaxations import (
     gelu,
     gelu_range,
     gelu_relaxation,
     rsqrt,
     rsqrt_relaxation,
 )
-from lipvit.certify.verifiable import GELU, RSqrt, to_verifiable
+from lipvit.certify.crown.verifiable import GELU, RSqrt, to_verifiable
+from lipvit.certify.evaluate import certify_samples
 
 from lipvit.config import ViTConfig
 from tests.test_crown import (

@@ -13,10 +13,11 @@ from click.testing import CliRunner
 
 from lipvit import data as D
 from lipvit.cli import main
-from lipvit.commands.pipeline import Settings, build_plan
+from lipvit.commands.pipeline import build_plan
 from lipvit.config import preset
 from lipvit.data import load_dataset
 from lipvit.errors import DataError
+from lipvit.pipeline.steps import Settings
 from lipvit.train import FAMILY_DEFAULTS, train_config_for
 from tests.test_data import _idx
 
@@ -304,7 +305,7 @@ def test_pipeline_trains_and_certifies_the_hybrid(tmp_path: Path) -> None:
     from lipvit.analysis.report import pipeline_report
 
     from lipvit.checkpoint import load_checkpoint
-    from lipvit.commands.pipeline import run_step
+    from lipvit.pipeline.scheduler import run_step
 
     _fake(tmp_path / "data", compress=False)
     plan = build_plan(tmp_path / "run", Settings.fast_mode("fashion-mnist"),

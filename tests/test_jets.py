@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 from lipvit.analysis.pgd import pgd_margin_drop, pgd_taylor_rest
-from lipvit.certify import jet_vit, jets
-from lipvit.certify.tangents import jets_fit, jets_need, min_memory
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.taylor import jets
+from lipvit.certify.taylor import margin_jets as jet_vit
+from lipvit.certify.taylor.certificate import taylor_bound
+from lipvit.certify.taylor.jacobian_norms import jets_fit, jets_need, min_memory
 from torch.func import jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 

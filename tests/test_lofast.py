@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 from lipvit.analysis.pgd import pgd_deviation
-from lipvit.certify import lofast as L
 from lipvit.certify.attention import attention, attention_probs, query_key, value_output
-from lipvit.certify.lofast import (
+from lipvit.certify.lofast import layer as L
+from lipvit.certify.lofast import operators as O
+from lipvit.certify.lofast.layer import (
     certified_lambda_max,
     key_sensitivity,
     lemma2_norm,
@@ -131,10 +132,10 @@ def test_zeta_equals_norm_of_kronecker_matrix(seed: int, residual: bool) -> None
     direct = direct + Gamma * float(residual)
     Kvec = (K @ Gamma.reshape(2, -1, 1)).reshape(X.shape)
     assert torch.allclose(Kvec, direct, atol=1e-12)
-    assert torch.allclose(L.sensitivity_matvec(Gamma, P, W[2], W[3], residual), direct,
+    assert torch.allclose(O.sensitivity_matvec(Gamma, P, W[2], W[3], residual), direct,
                           atol=1e-12)
     Y = torch.randn_like(Gamma)
-    assert torch.allclose(L.sensitivity_rmatvec(Y, P, W[2], W[3], residual),
+    assert torch.allclose(O.sensitivity_rmatvec(Y, P, W[2], W[3], residual),
                           (K.mT @ Y.reshape(2, -1, 1)).reshape(X.shape), atol=1e-12)
     exact = torch.linalg.matrix_norm(K, ord=2)
     z = key_sensitivity(X, *W, residual=residual)
@@ -151,9 +152,9 @@ def test_sensitivity_gram_is_ktk() -> None:
     P = attention_probs(X, W[0], W[1])
     W_vo = value_output(W[2], W[3])
     for residual in (True, False):
-        K = L.sensitivity_matrix(P, W_vo, residual)
+        K = O.sensitivity_matrix(P, W_vo, residual)
         assert torch.allclose(K, kron_zeta_matrix(X, *W, residual), atol=1e-14)
-        gram = L.sensitivity_gram(P, W_vo, residual)
+        gram = O.sensitivity_gram(P, W_vo, residual)
         assert torch.allclose(gram, K.mT @ K, atol=1e-12)
 
 
@@ -178,7 +179,7 @@ def test_lemma2_norm_equals_explicit_matrix(seed: int, D: int, d: int) -> None:
     # D = 10, d = 2 and D = 9, d = 4 use the reduced operator (2d < D).
     X, W_q, W_k, W_v, W_o = layer(seed, N=4, D=D, H=2, d=d, qk=2.0, x=1.5)
     W_qk = query_key(W_q, W_k)
-    M = L.lemma2_matrix(X, W_qk)  # (B, H, N², N·D)
+    M = O.lemma2_matrix(X, W_qk)  # (B, H, N², N·D)
     for b in range(X.shape[0]):
         for h in range(W_q.shape[0]):
             assert torch.allclose(M[b, h], kron_lemma2_matrix(X[b], W_q[h], W_k[h]),
@@ -187,12 +188,12 @@ def test_lemma2_norm_equals_explicit_matrix(seed: int, D: int, d: int) -> None:
     Gamma = torch.randn(2, 2, 4, D, dtype=DT, generator=g)  # (B, H, N, D)
     Xh = X[:, None]  # (B, 1, N, D)
     direct = Gamma @ W_qk @ Xh.mT + Xh @ W_qk @ Gamma.mT  # Γ A Xᵀ + X A Γᵀ
-    assert torch.allclose(L.lemma2_matvec(Gamma, X, W_qk), direct, atol=1e-12)
+    assert torch.allclose(O.lemma2_matvec(Gamma, X, W_qk), direct, atol=1e-12)
     Mvec = (M @ Gamma.reshape(2, 2, -1, 1)).reshape(direct.shape)
     assert torch.allclose(Mvec, direct, atol=1e-12)
     Y = torch.randn_like(direct)
     MtY = (M.mT @ Y.reshape(2, 2, -1, 1)).reshape(Gamma.shape)
-    assert torch.allclose(L.lemma2_rmatvec(Y, X, W_qk), MtY, atol=1e-12)
+    assert torch.allclose(O.lemma2_rmatvec(Y, X, W_qk), MtY, atol=1e-12)
     exact = torch.linalg.matrix_norm(M, ord=2)  # (B, H)
     m = lemma2_norm(X, W_q, W_k)
     assert torch.allclose(m.value, exact, rtol=1e-10)
@@ -207,7 +208,7 @@ def test_lemma2_norm_equals_explicit_matrix(seed: int, D: int, d: int) -> None:
 def test_lemma2_certificate_route(monkeypatch) -> None:
     monkeypatch.setattr(L, "EIGVALSH_MAX_N", 0)
     X, W_q, W_k, *_ = layer(7, N=5, D=8, H=2, d=2, qk=2.0)
-    exact = torch.linalg.matrix_norm(L.lemma2_matrix(X, query_key(W_q, W_k)), ord=2)
+    exact = torch.linalg.matrix_norm(O.lemma2_matrix(X, query_key(W_q, W_k)), ord=2)
     m = lemma2_norm(X, W_q, W_k)
     assert "Cholesky" in m.method
     assert torch.all(m.value >= exact * (1 - 1e-14))
@@ -218,11 +219,11 @@ def test_lemma2_structured_route(monkeypatch) -> None:
     monkeypatch.setattr(L, "EIGVALSH_MAX_N", 0)
     monkeypatch.setattr(L, "LEMMA2_CHOLESKY_MAX_N", 0)
     X, W_q, W_k, *_ = layer(7, N=5, D=8, H=2, d=2, qk=2.0)
-    exact = torch.linalg.matrix_norm(L.lemma2_matrix(X, query_key(W_q, W_k)), ord=2)
+    exact = torch.linalg.matrix_norm(O.lemma2_matrix(X, query_key(W_q, W_k)), ord=2)
     m = lemma2_norm(X, W_q, W_k)
     assert "structured" in m.method and m.exact
     assert torch.all(m.value >= exact * (1 - 1e-14))
-    C, E = L.lemma2_factors(X, query_key(W_q, W_k))
+    C, E = O.lemma2_factors(X, query_key(W_q, W_k))
     xi = torch.linalg.matrix_norm(C, ord=2) + torch.linalg.matrix_norm(E, ord=2)
     assert torch.all(m.value <= xi * (1 + 1e-12))  # never above ξ, eq. (26)
 
@@ -250,9 +251,10 @@ def test_exact_false_builds_no_large_matrix(monkeypatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("dense matrix built in exact=False mode")
 
-    for name in ("sensitivity_gram", "sensitivity_matrix", "lemma2_gram",
-                 "lemma2_matrix", "certified_lambda_max"):
-        monkeypatch.setattr(L, name, forbidden)
+    for module, name in ((L, "sensitivity_gram"), (O, "sensitivity_matrix"),
+                         (L, "lemma2_gram"), (O, "lemma2_matrix"),
+                         (L, "certified_lambda_max")):
+        monkeypatch.setattr(module, name, forbidden)
     X, *W = layer(8, N=6, D=8, H=2, d=4)
     b = lofast_bound(X, *W, 0.1, exact=False)
     assert not b.exact and b.method.count("estimate") == 2
@@ -337,7 +339,7 @@ def test_delta_1_attained_by_pgd_on_linear_term(residual: bool) -> None:
     b = lofast_bound(X, *W, eps, residual=residual)
 
     def linear(Z):  # X' ↦ A(X' − X): the Δ1 term of eq. (10)
-        return L.sensitivity_matvec(Z - X, P, W[2], W[3], residual)
+        return O.sensitivity_matvec(Z - X, P, W[2], W[3], residual)
 
     pgd = pgd_deviation(linear, X, eps, steps=200, restarts=2)
     assert torch.all(pgd <= b.delta_1 * (1 + 1e-10))

@@ -16,12 +16,9 @@ from click.testing import CliRunner
 from lipvit.analysis.report import Report, md_table, pipeline_report
 
 from lipvit.cli import main
-from lipvit.commands.pipeline import (
-    Settings,
-    build_plan,
-    downstream_counts,
-    step_dependencies,
-)
+from lipvit.commands.pipeline import build_plan
+from lipvit.pipeline.scheduler import downstream_counts
+from lipvit.pipeline.steps import Settings, step_dependencies
 
 pytest.importorskip("torchattacks")
 
@@ -101,7 +98,7 @@ def test_report_tables_links_and_commands(run_dir):
 def test_second_run_skips_everything(run_dir):
     """Without --jobs: as many steps at a time as there are CPUs (fewer where
     the memory holds fewer steps)."""
-    from lipvit.commands.pipeline import default_jobs
+    from lipvit.pipeline.scheduler import default_jobs
 
     out, _ = run_dir
     before = (out / "models" / "vanilla.pt").stat().st_mtime_ns
@@ -181,20 +178,16 @@ def test_jobs_rerun_in_parallel_processes_after_their_inputs(run_dir):
 
 
 def test_default_jobs_are_the_cpus_the_memory_holds(monkeypatch):
-    import importlib
-
-    from lipvit.certify import tangents
-
-    P = importlib.import_module("lipvit.commands.pipeline")  # not the command
+    from lipvit.pipeline import scheduler as P
 
     monkeypatch.setattr(P, "cpu_count", lambda: 16)
-    monkeypatch.setattr(tangents, "physical_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(P, "physical_memory", lambda: 16 * 2**30)
     assert P.default_jobs() == 5  # 16 GiB hold five steps of 3 GiB
-    monkeypatch.setattr(tangents, "physical_memory", lambda: 256 * 2**30)
+    monkeypatch.setattr(P, "physical_memory", lambda: 256 * 2**30)
     assert P.default_jobs() == 16
-    monkeypatch.setattr(tangents, "physical_memory", lambda: 2**30)
+    monkeypatch.setattr(P, "physical_memory", lambda: 2**30)
     assert P.default_jobs() == 1
-    monkeypatch.setattr(tangents, "physical_memory", lambda: None)
+    monkeypatch.setattr(P, "physical_memory", lambda: None)
     assert P.default_jobs() == 16
 
 
@@ -212,8 +205,9 @@ def test_jobs_start_the_model_most_steps_wait_on():
 
 def test_a_failed_job_names_its_log(tmp_path):
     from lipvit.commands.certify import certify
-    from lipvit.commands.pipeline import Plan, Step, run_parallel
     from lipvit.errors import LipvitError
+    from lipvit.pipeline.scheduler import run_parallel
+    from lipvit.pipeline.steps import Plan, Step
 
     plan = Plan(tmp_path, Settings.fast_mode())
     a, b = tmp_path / "a.json", tmp_path / "b.json"

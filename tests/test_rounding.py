@@ -13,12 +13,8 @@ from __future__ import annotations
 import mpmath
 import pytest
 import torch
-from lipvit.certify.lofast import (
-    _key_sensitivity,
-    certified_lambda_max,
-    sensitivity_matrix,
-    zeta_cls,
-)
+from lipvit.certify.lofast.layer import _key_sensitivity, certified_lambda_max, zeta_cls
+from lipvit.certify.lofast.operators import sensitivity_matrix
 
 from lipvit import spectral
 from lipvit.spectral import eigvalsh_upper

@@ -1,5 +1,5 @@
 """The weighted factorisation bound on the softmax path through the norm
-(certify/softmax_norm.py, docs/taylor.md §8) against the dense Jacobian."""
+(certify/taylor/softmax_norm.py, docs/taylor.md §8) against the dense Jacobian."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 from lipvit.certify.attention import bound_weights, value_output
-from lipvit.certify.network import network_bound
-from lipvit.certify.remainders import softmax_path
-from lipvit.certify.sites import forward
-from lipvit.certify.softmax_norm import (
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor.forward import forward
+from lipvit.certify.taylor.remainders import softmax_path
+from lipvit.certify.taylor.softmax_norm import (
     descend,
     factor_bound,
     initial_weights,
@@ -19,7 +19,7 @@ from lipvit.certify.softmax_norm import (
     softmax_norm_bound,
     weighted_norm,
 )
-from lipvit.certify.subblock import token_jacobians, with_softmax_gains
+from lipvit.certify.taylor.subblock import token_jacobians, with_softmax_gains
 
 from tests.conftest import full_jacobian, nonlinear_model
 
@@ -111,6 +111,6 @@ def test_softmax_norm_bound_chunks_samples_like_one_batch(monkeypatch):
         P = torch.softmax(torch.einsum("bnd,hde,bme->bhnm", Y, A, Y), -1)
         J = token_jacobians(blk.norm1, X)
         whole = softmax_norm_bound(Y, *W, P, J)
-        monkeypatch.setattr("lipvit.certify.softmax_norm._CHUNK_BYTES", 1)
+        monkeypatch.setattr("lipvit.certify.taylor.softmax_norm._CHUNK_BYTES", 1)
         chunked = softmax_norm_bound(Y, *W, P, J)
     assert torch.allclose(whole, chunked, rtol=1e-12)

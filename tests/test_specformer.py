@@ -15,7 +15,7 @@ import pytest
 import torch
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.attention import attention
-from lipvit.certify.network import network_bound
+from lipvit.certify.lofast.network import network_bound
 from lipvit.certify.specformer import specformer_bound, specformer_terms
 
 import lipvit

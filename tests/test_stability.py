@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from lipvit.certify.sites import forward
+from lipvit.certify.taylor.forward import forward
 
 from lipvit.checkpoint import load_checkpoint
 from lipvit.cli import main

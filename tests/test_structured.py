@@ -1,18 +1,20 @@
-"""Tests for lipvit.certify.structured: the structured ζ and ‖M_h(X)‖ certificates.
+"""Tests for lipvit.certify.lofast.structured: the structured ζ and ‖M_h(X)‖
+certificates.
 
 Brute force at tiny sizes in float64 (dense ``eigvalsh`` of the explicit
 Kronecker / Lemma-2 matrices), many seeds, adversarial cases (sharp attention,
 residual ``H = I``, clustered spectra, poor and non-orthonormal bases), and PGD
-lower bounds through :func:`lipvit.certify.lofast.lofast_bound` on the structured route.
-"""
+lower bounds through :func:`lipvit.certify.lofast.layer.lofast_bound` on the structured
+route. """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lipvit.certify import lofast as L
-from lipvit.certify import structured as S
 from lipvit.certify.attention import attention_probs, query_key, value_output
+from lipvit.certify.lofast import layer as L
+from lipvit.certify.lofast import operators as O
+from lipvit.certify.lofast import structured as S
 
 from tests.test_lofast import _check_sound, kron_zeta_matrix, layer
 
@@ -87,7 +89,7 @@ def test_kron_moments_match_dense() -> None:
         X, *W = layer(3, B=2, N=5, D=6, H=3, d=2, qk=2.0)
         P = attention_probs(X, W[0], W[1])
         W_vo = value_output(W[2], W[3])
-        G = L.sensitivity_gram(P, W_vo, residual)
+        G = O.sensitivity_gram(P, W_vo, residual)
         m = S.kron_moments(P, W_vo, residual)
         trace = G.diagonal(dim1=-2, dim2=-1).sum(-1)
         fro2 = (G * G).sum((-2, -1))
@@ -101,7 +103,7 @@ def test_kron_moments_match_dense() -> None:
 def test_gram_apply_matches_dense() -> None:
     X, *W = layer(4, B=2, N=5, D=6, H=2, d=3)
     P = attention_probs(X, W[0], W[1])
-    G = L.sensitivity_gram(P, value_output(W[2], W[3]), True)  # (B, 30, 30)
+    G = O.sensitivity_gram(P, value_output(W[2], W[3]), True)  # (B, 30, 30)
     g = torch.Generator().manual_seed(0)
     Gamma = torch.randn(2, 4, 5, 6, dtype=DT, generator=g)
     out = S.gram_apply(Gamma, P, W[2], W[3], True)  # (B, K, N, D)
@@ -171,10 +173,10 @@ def test_zeta_certificate_diffuse_attention_is_tight() -> None:
 def test_lemma2_structured_bound_against_dense(seed: int) -> None:
     X, W_q, W_k, *_ = layer(seed, B=2, N=5, D=8, H=3, d=2, qk=[0.5, 2, 8, 30][seed % 4],
                             x=[0.2, 1, 5][seed % 3])
-    M = L.lemma2_matrix(X, query_key(W_q, W_k))  # (B, H, N², N·D)
+    M = O.lemma2_matrix(X, query_key(W_q, W_k))  # (B, H, N², N·D)
     exact = torch.linalg.matrix_norm(M, ord=2)
     bound = S.lemma2_structured_bound(X, W_q, W_k)
-    C, E = L.lemma2_factors(X, query_key(W_q, W_k))
+    C, E = O.lemma2_factors(X, query_key(W_q, W_k))
     xi = torch.linalg.matrix_norm(C, ord=2) + torch.linalg.matrix_norm(E, ord=2)
     assert torch.all(bound >= exact)
     assert torch.all(bound <= xi * (1 + 1e-12))

@@ -1,5 +1,5 @@
 """The structured bound on an attention sub-block's Jacobian norm
-(certify/subblock.py, docs/taylor.md §8) against the dense Jacobian, for
+(certify/taylor/subblock.py, docs/taylor.md §8) against the dense Jacobian, for
 LayerProject (lipschitz) and LayerNorm (standard) blocks."""
 
 from __future__ import annotations
@@ -8,11 +8,15 @@ import pytest
 import torch
 from lipvit.certify.attention import bound_weights
 from lipvit.certify.local import layernorm_local_lipschitz
-from lipvit.certify.network import network_bound
-from lipvit.certify.remainders import attention_jacobian_norm
-from lipvit.certify.sites import forward
-from lipvit.certify.subblock import subblock_bound, subblock_parts, with_softmax_gains
-from lipvit.certify.taylor import taylor_bound
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor.certificate import taylor_bound
+from lipvit.certify.taylor.forward import forward
+from lipvit.certify.taylor.remainders import attention_jacobian_norm
+from lipvit.certify.taylor.subblock import (
+    subblock_bound,
+    subblock_parts,
+    with_softmax_gains,
+)
 
 from tests.conftest import full_jacobian, nonlinear_model, share_jets
 
@@ -141,7 +145,7 @@ def test_each_part_bounds_its_own_path(family, kw, seed):
 def test_structured_bound_never_lowers_the_radius(family, monkeypatch):
     """Without the exact sub-block norms (a large model) the structured bound
     only tightens the budgets: every radius is at least the product bound's."""
-    monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
+    monkeypatch.setattr("lipvit.certify.taylor.subblock.EXACT_MAX", 0)
     kw = {"attn_radius": 3.0} if family == "lipschitz" else {}
     model = nonlinear_model(family, 0, **kw)
     with torch.no_grad():
@@ -154,7 +158,7 @@ def test_structured_bound_never_lowers_the_radius(family, monkeypatch):
     # family's jets; the sub-block bound does not enter them): built once.
     share_jets(monkeypatch, {})
     with_it = taylor_bound(model, x, y).radius()
-    monkeypatch.setattr("lipvit.certify.taylor.subblock_bound",
+    monkeypatch.setattr("lipvit.certify.taylor.certificate.subblock_bound",
                         lambda *a, **kw: torch.full((len(x),), torch.inf, dtype=F64))
     without = taylor_bound(model, x, y).radius()
     assert torch.all(with_it >= without) and torch.any(with_it > 0)

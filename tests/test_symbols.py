@@ -1,4 +1,5 @@
-"""ReLU flip symbols (lipvit.certify.symbols, docs/taylor.md §5) against brute force."""
+"""ReLU flip symbols (lipvit.certify.taylor.symbols, docs/taylor.md §5) against brute
+force."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import pytest
 import torch
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.certification import bisect_radius
-from lipvit.certify.linearized import Linearized
-from lipvit.certify.sites import forward
-from lipvit.certify.symbols import (
+from lipvit.certify.taylor.certificate import taylor_bound
+from lipvit.certify.taylor.forward import forward
+from lipvit.certify.taylor.linearized import Linearized
+from lipvit.certify.taylor.symbols import (
     Carried,
     default_max_symbols,
     flip_range,
     propagate,
     propagate_radial,
 )
-from lipvit.certify.taylor import taylor_bound
 
 from lipvit.model import ViT
 from tests.conftest import tiny_config

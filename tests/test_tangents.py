@@ -1,5 +1,5 @@
-"""The linearised network and the streamed Jacobian norms (certify/linearized.py,
-certify/tangents.py, docs/taylor.md §11) against forward-mode AD and dense
+"""The linearised network and the streamed Jacobian norms (certify/taylor/linearized.py,
+certify/taylor/jacobian_norms.py, docs/taylor.md §11) against forward-mode AD and dense
 Jacobians, in float64, over seeds and both families."""
 
 from __future__ import annotations
@@ -7,16 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from lipvit.certify import tangents
-from lipvit.certify.linearized import Linearized
-from lipvit.certify.sites import forward, forward_blocks, jacobian_norms
-from lipvit.certify.tangents import (
-    MemoryBudgetError,
-    Plan,
-    min_memory,
-    parse_memory,
-    plan,
-)
+from lipvit.certify.memory import MemoryBudgetError, parse_memory
+from lipvit.certify.taylor import jacobian_norms as tangents
+from lipvit.certify.taylor.forward import forward, forward_blocks
+from lipvit.certify.taylor.jacobian_norms import Plan, jacobian_norms, min_memory, plan
+from lipvit.certify.taylor.linearized import Linearized
 
 from lipvit.errors import LipvitError
 from lipvit.model import ViT
@@ -58,8 +53,8 @@ def test_push_is_forward_mode_ad(family, seed, kw):
     E = torch.randn(2, 5, *x.shape[1:], dtype=F64,
                     generator=torch.Generator().manual_seed(9))
     lin = Linearized(model, x)
-    tangents = lin.embed(E.flatten(0, 1))  # (10, N, D)
-    got = _collect(lin, tangents.reshape(2, 5, *tangents.shape[1:]), 0, logits=True)
+    T = lin.embed(E.flatten(0, 1))  # (10, N, D)
+    got = _collect(lin, T.reshape(2, 5, *T.shape[1:]), 0, logits=True)
     got = {key: T.flatten(0, 1) for key, T in got.items()}  # sample-major, as below
     with torch.no_grad(), fwAD.dual_level():
         _, rec = forward(model, fwAD.make_dual(x.repeat_interleave(5, dim=0),
@@ -219,9 +214,9 @@ def test_parse_memory_refuses_nonsense(text):
 def test_large_image_mode_is_finite_at_zero(family, monkeypatch):
     """Without the exact logit norms (``+inf``), ε = 0 still gives a zero drop
     (``inf · 0`` is not taken as a bound) and positive ε a finite one."""
-    from lipvit.certify.taylor import taylor_bound
+    from lipvit.certify.taylor.certificate import taylor_bound
 
-    monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
+    monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
     model = _model(family, 3)
     x = _images(2, 3)
     with torch.no_grad():
@@ -237,8 +232,8 @@ def test_bounds_are_not_changed_by_later_model_changes(family):
     """``taylor`` and the ``lofast`` chain evaluate lazily: changing the model
     afterwards (training on, moving it to another device or dtype) must not
     change a bound computed before, nor its mode."""
-    from lipvit.certify.network import network_bound
-    from lipvit.certify.taylor import taylor_bound
+    from lipvit.certify.lofast.network import network_bound
+    from lipvit.certify.taylor.certificate import taylor_bound
 
     model = _model(family, 6, depth=2).train()
     x = _images(3, 6)
@@ -262,7 +257,7 @@ def test_bounds_are_not_changed_by_later_model_changes(family):
 def test_taylor_on_cuda_matches_cpu(family):
     """Every step of ``taylor`` on the GPU (tangents, norms, symbols, radius):
     the same certificate as on the CPU, every tensor on the device."""
-    from lipvit.certify.taylor import taylor_bound
+    from lipvit.certify.taylor.certificate import taylor_bound
 
     model = _model(family, 5, depth=3)
     x = _images(3, 5)

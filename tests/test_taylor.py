@@ -22,10 +22,14 @@ from lipvit.certify.attention import (
 )
 from lipvit.certify.certification import bisect_radius, falsi_radius
 from lipvit.certify.evaluate import certify_samples
-from lipvit.certify.lofast import lemma2_matrix, lofast_terms, softmax_local_constant
-from lipvit.certify.remainders import (
+from lipvit.certify.lofast.layer import lofast_terms, softmax_local_constant
+from lipvit.certify.lofast.operators import lemma2_matrix
+from lipvit.certify.taylor.certificate import forward, taylor_bound
+from lipvit.certify.taylor.jacobian_norms import jacobian_norms, logit_variance
+from lipvit.certify.taylor.remainders import (
     GELU_CURVATURE_MAX,
     ImagePart,
+    LogitVariance,
     attention_jacobian_norm,
     attention_remainder,
     attention_row_norms,
@@ -41,15 +45,12 @@ from lipvit.certify.remainders import (
     relu_remainder,
     softmax_row_gains,
 )
-from lipvit.certify.second_order import (
+from lipvit.certify.taylor.second_order import (
     attention_hessian_norm,
     quadratic_coefficient,
     second_order_remainder,
     third_order,
 )
-from lipvit.certify.sites import jacobian_norms
-from lipvit.certify.tangents import LogitVariance, logit_variance
-from lipvit.certify.taylor import forward, taylor_bound
 
 from lipvit.cli import main
 from lipvit.errors import UnsupportedModelError
@@ -367,10 +368,11 @@ def test_logit_variance_gains_brute_force(seed, N, D, H, monkeypatch):
                          (nu_row_all, row_all)):
         assert torch.all(dense <= bound)
         assert torch.allclose(bound, dense, rtol=1e-8, atol=1e-12)
-    monkeypatch.setattr("lipvit.certify.remainders.VARIANCE_EXACT_MAX", 0)
+    monkeypatch.setattr("lipvit.certify.taylor.remainders.VARIANCE_EXACT_MAX", 0)
     assert torch.all(total <= logit_variance_gain(X, W_q, W_k, P) * (1 + 1e-12))
     assert logit_variance_gain_all(X, W_q, W_k, P) is None
-    monkeypatch.setattr("lipvit.certify.remainders.ROW_JOINT_MAX", 0)  # heads alone
+    # heads alone
+    monkeypatch.setattr("lipvit.certify.taylor.remainders.ROW_JOINT_MAX", 0)
     alone, summed = logit_row_variance_gains(X, W_q, W_k, P)
     assert torch.allclose(alone, nu_row, rtol=1e-12, atol=1e-14)
     assert torch.all(row_all <= summed)
@@ -690,7 +692,7 @@ def margin_drop_shared() -> dict:
     """What the exact and the large-model (``exact: False``) cases of one model
     have in common, computed once: PGD's margin drops (pgd_margin_drop is
     deterministic: a private seeded generator) and the images' second-order
-    models (:class:`~lipvit.certify.jet_vit.JetMargins`, which neither the
+    models (:class:`~lipvit.certify.taylor.margin_jets.JetMargins`, which neither the
     exact sub-block norms nor the patch-block bounds enter)."""
     return {"pgd": {}, "jets": {}}
 
@@ -713,9 +715,9 @@ def test_margin_drop_bound_exceeds_pgd_on_every_class(family, kw, seed, monkeypa
                                                       margin_drop_shared):
     kw = dict(kw)
     if not kw.pop("exact", True):  # large models: product and patch-block bounds
-        monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
-        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
-        monkeypatch.setattr("lipvit.certify.subblock.WEIGHTED_SHARE", 0.0)
+        monkeypatch.setattr("lipvit.certify.taylor.subblock.EXACT_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.taylor.subblock.WEIGHTED_SHARE", 0.0)
     model = _model(family, seed, **kw)
     key = (family, seed, tuple(sorted(kw.items())))  # the model, whatever exact is
     share_jets(monkeypatch, margin_drop_shared["jets"])
@@ -1023,7 +1025,7 @@ def test_logit_jacobian_norms_are_exact(family):
 
 @pytest.mark.parametrize("family", ["lipschitz", "standard"])
 def test_subblock_norms_are_exact(family):
-    from lipvit.certify.sites import subblock_norms
+    from lipvit.certify.taylor.subblock import subblock_norms
 
     model = _model(family, 1)
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(4))
@@ -1088,9 +1090,9 @@ def test_token_budgets_bound_pgd(family, exact, seed, monkeypatch, token_pgd):
     what PGD finds; a lipschitz block's 1-Lipschitz ``SLL∘P₂`` never lets a
     budget grow."""
     if not exact:  # large models: product and patch-block bounds
-        monkeypatch.setattr("lipvit.certify.sites.EXACT_MAX", 0)
-        monkeypatch.setattr("lipvit.certify.sites.EXACT_GRAM_MAX", 0)
-        monkeypatch.setattr("lipvit.certify.subblock.WEIGHTED_SHARE", 0.0)
+        monkeypatch.setattr("lipvit.certify.taylor.subblock.EXACT_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
+        monkeypatch.setattr("lipvit.certify.taylor.subblock.WEIGHTED_SHARE", 0.0)
     model = _model(family, seed)
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

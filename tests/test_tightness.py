@@ -113,7 +113,7 @@ def test_layer_pgd_matches_model_block(model, images):
     Z = model.blocks[0].norm1(X)
     assert torch.allclose(torch.linalg.matrix_norm(Z), torch.ones(4, dtype=Z.dtype))
     # A linear-in-ε sanity check: the deviation at the tiny radius is about ζ ε.
-    from lipvit.certify.lofast import lofast_terms
+    from lipvit.certify.lofast.layer import lofast_terms
 
     W = [w.detach() for w in model.blocks[0].attn.head_weights()]
     zeta = lofast_terms(Z, *W, residual=False).zeta

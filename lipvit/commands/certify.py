@@ -20,10 +20,16 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
-from lipvit.certify.jet_vit import supports
-from lipvit.certify.network import check_dot_attention
-from lipvit.certify.sites import EXACT_GRAM_MAX, check_supported
-from lipvit.certify.tangents import jets_fit, jets_need, parse_memory, plan
+from lipvit.certify.lofast.network import check_dot_attention
+from lipvit.certify.memory import parse_memory
+from lipvit.certify.taylor.forward import check_supported
+from lipvit.certify.taylor.jacobian_norms import (
+    EXACT_GRAM_MAX,
+    jets_fit,
+    jets_need,
+    plan,
+)
+from lipvit.certify.taylor.margin_jets import supports
 from lipvit.commands import _common as C
 from lipvit.distributed import (
     barrier,

@@ -37,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lipvit.certify.linearized import Linearized, push_size
-from lipvit.certify.sites import Record
+from lipvit.certify.taylor.forward import Record
+from lipvit.certify.taylor.linearized import Linearized, push_size
 from torch import Tensor
 
 from lipvit.model import ViT
@@ -212,7 +212,7 @@ def propagate_radial(
 
     The projection at ``site`` (``"norm1"`` or ``"norm2"``) leaves a remainder
     ``−σ x̂ + r'`` per projected vector, ``σ ∈ [0, s]``
-    (:func:`lipvit.certify.remainders.layer_project_split`); each ``σ`` with
+    (:func:`lipvit.certify.taylor.remainders.layer_project_split`); each ``σ`` with
     ``s > 0`` is a symbol whose column is ``−x̂`` at the site's output (the
     whole token matrix for a Frobenius projection, one token otherwise).
     Every sample's are pushed together: the vectors where any sample has a

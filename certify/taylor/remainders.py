@@ -25,24 +25,20 @@ token matrix), ``m`` hidden units, ``D`` width, ``H`` heads.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from lipvit.certify.attention import query_key
-from lipvit.certify.lofast import (
-    LoFASTTerms,
+from lipvit.certify.lofast.layer import LoFASTTerms, softmax_local_constant
+from lipvit.certify.lofast.operators import (
     lemma2_factors,
     lemma2_matrix,
     lemma2_reduced_factors,
-    softmax_local_constant,
 )
-from lipvit.certify.structured import U, certified_lambda_max_small, gamma, up
+from lipvit.certify.lofast.structured import U, certified_lambda_max_small, gamma, up
 from torch import Tensor
 
 from lipvit.spectral import eigvalsh
-
-if TYPE_CHECKING:  # tangents imports this module's users
-    from lipvit.certify.tangents import LogitVariance
 
 #: ``max_x |GELU''(x)| = 2 φ(0) = √(2/π)`` (erf GELU; GELU'' = φ(x)(2 − x²)).
 GELU_CURVATURE_MAX = math.sqrt(2 / math.pi)
@@ -387,7 +383,7 @@ def _softmax_jacobians(P: Tensor) -> Tensor:
 VARIANCE_EXACT_MAX = 1024
 """Largest reduced size ``N·r`` at which :func:`logit_variance_gain` forms the
 whole weighted Gram matrix (an explicitly exact small-size mode, as
-:data:`lipvit.certify.sites.EXACT_MAX`); above it the two-part bound."""
+:data:`lipvit.certify.taylor.subblock.EXACT_MAX`); above it the two-part bound."""
 
 
 def logit_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tensor:
@@ -395,7 +391,7 @@ def logit_variance_gain(X: Tensor, W_q: Tensor, W_k: Tensor, P: Tensor) -> Tenso
 
     ``Var_p(u) = uᵀDs(p)u``, so ``ν_h = λ_max(M_hᵀ Ds_h M_h)``, ``Ds_h`` the
     row-wise softmax Jacobians at ``P`` (block diagonal). In the reduced
-    coordinates of :func:`~lipvit.certify.lofast.lemma2_reduced_factors`
+    coordinates of :func:`~lipvit.certify.lofast.operators.lemma2_reduced_factors`
     (``M_h Γ = L(ΓQ_h)``, ``L G = G Cᵀ + E Gᵀ``, ``G`` ``N × r``) its Gram
     matrix is ``blockdiag_a(Cᵀ Ds_a C) + T + Tᵀ + Σ_i Ds_i ⊗ e_i e_iᵀ`` with
     ``T[(a,b),(c,e)] = (Cᵀ Ds_a)_{bc} E_{ae}`` and ``e_i`` the rows of ``E``.
@@ -516,10 +512,35 @@ def attention_row_norms(terms: LoFASTTerms) -> Tensor:
     return value + (soft if rows is None else torch.minimum(soft, rows))
 
 
+class LogitVariance(NamedTuple):
+    """Variance gains of the image → attention-logit map of one block
+    (docs/taylor.md §7, *through the image*): with ``U = J_{S←x}Γ`` the
+    logits' first-order change (``(H, N, N)``) and ``Var_r`` the variance of
+    row ``r`` of head ``h`` under the clean ``p_{h,r}``, per unit ``‖Γ‖²``:
+    ``whole`` ``(…, H)`` ``max Σ_r Var_r``, ``row`` ``(…, H)`` ``max_r max
+    Var_r``, and over all heads at once ``whole_all`` ``(…)`` ``max Σ_{h,r}
+    Var_{h,r}`` and ``row_all`` ``(…)`` ``max_r max Σ_h Var_{h,r}``. Exact
+    (eigvalsh, rounded up); ``+inf`` where not computed."""
+
+    whole: Tensor
+    row: Tensor
+    whole_all: Tensor
+    row_all: Tensor
+
+    def block(self, k: int) -> LogitVariance:
+        """Block ``k``'s gains of batched ``(B, K, …)`` fields."""
+        return LogitVariance(*(f[:, k] for f in self))
+
+    @staticmethod
+    def stack(parts: list[LogitVariance], dim: int = 0) -> LogitVariance:
+        """The fields of ``parts`` stacked along a new axis ``dim``."""
+        return LogitVariance(*(torch.stack(f, dim) for f in zip(*parts, strict=True)))
+
+
 class ImagePart(NamedTuple):
     """The attention input's move ``Δ = J_{p←x}Γ + R`` (``‖Γ‖ ≤ eps``,
     ``‖R‖ ≤ rest``, both ``(B,)``), with the image → logit map's variance
-    gains ``var`` (:class:`~lipvit.certify.tangents.LogitVariance`, ``(B, H)``
+    gains ``var`` (:class:`~lipvit.certify.taylor.remainders.LogitVariance`, ``(B, H)``
     and ``(B,)``) and bounds on the quadratic logits from the image → query
     and key maps: ``quad`` ``(B, H)`` ``≥ ‖ΔA_hΔᵀ‖_F`` and ``quad_row``
     ``(B, H)`` with ``‖Δ_tA_hΔᵀ‖ ≤ quad_row ‖Δ_t‖``; ``logit_row`` ``(B, H)``
@@ -641,7 +662,7 @@ def attention_remainder(
     and ``‖r‖ ≤ Σ_h (c_h‖A_h‖β²/√d + c'_h ρ_h²) ‖Π X M_h‖
     + min(c'_h ρ_h, √(2N)) ‖M_h‖ β`` with ``c_h`` the softmax Jacobian norm at
     ``S_h`` and ``c'_h`` its local constant on the reachable logits
-    (:func:`lipvit.certify.lofast.softmax_local_constant`), which also bounds
+    (:func:`lipvit.certify.lofast.layer.softmax_local_constant`), which also bounds
     the softmax's curvature: ``D²s(z)[u,u] = p ⊙ ((u − ū)² − Var_p(u))`` has ℓ1
     norm ``≤ 2 Var_p(u) = 2 uᵀDs(p)u ≤ 2 ‖Ds(p)‖ ‖u‖²``, so integrating
     ``(1 − t)`` along the segment gives ``‖r_s(u)‖₁ ≤ c' ‖u‖²``. Every row of

@@ -9,10 +9,10 @@ of a projection: a LayerProject's removes at most ``N`` known directions, a
 LayerNorm's removes each token's mean and (nearly) its centred direction and
 scales the features by ``γ``. The value path is then a Kronecker-structured
 residual map on the complement of known directions, and its norm follows
-from the structured ζ certificate (:mod:`lipvit.certify.structured`) and
+from the structured ζ certificate (:mod:`lipvit.certify.lofast.structured`) and
 ``r × r`` eigenproblems (docs/taylor.md §8, "Projected sub-blocks"; ours);
 the softmax path through the norm by rows or, where it matters, by the
-weighted factorisation of :mod:`lipvit.certify.softmax_norm`.
+weighted factorisation of :mod:`lipvit.certify.taylor.softmax_norm`.
 
 Notation: ``Γ`` an ``N × D`` token matrix, ``K Γ = Σ_h P_h Γ W_vo[h]`` the
 value path, ``S`` the softmax path, ``J_N`` the norm's Jacobian: for a
@@ -23,25 +23,30 @@ Pure functions of tensors.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from lipvit.certify.attention import bound_weights, value_output
 from lipvit.certify.local import layernorm_local_lipschitz
-from lipvit.certify.lofast import LoFASTTerms, zeta_from_attention
-from lipvit.certify.remainders import (
+from lipvit.certify.lofast.layer import LoFASTTerms, zeta_from_attention
+from lipvit.certify.taylor.forward import Record, explicit_attention
+from lipvit.certify.taylor.remainders import (
     logit_row_variance_gains,
     logit_variance_gain,
     logit_variance_gain_all,
     softmax_path,
     softmax_row_gains,
 )
-from lipvit.certify.softmax_norm import softmax_norm_bound
-from lipvit.certify.tangents import top_root
+from lipvit.certify.taylor.softmax_norm import softmax_norm_bound
 from torch import Tensor
 
 from lipvit.layers import LayerProject
+from lipvit.model import ViT
+from lipvit.spectral import gram_norm, top_root
 
 WEIGHTED_SHARE = 0.1
 """The softmax path's share of the sub-block bound above which
@@ -84,7 +89,7 @@ def layernorm_structure(X: Tensor, ln) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     On token ``t`` (``x_c`` the centred token, ``s = (‖x_c‖²/D + η)^½``) the
     Jacobian is ``(1/s) diag(γ)(I − 11ᵀ/D − ρ ûûᵀ)``, ``û = x_c/‖x_c‖``,
     ``ρ = ‖x_c‖²/(‖x_c‖² + Dη)`` (the map of
-    :class:`~lipvit.certify.linearized.Linearized`; ``û ⊥ 1``). Returns
+    :class:`~lipvit.certify.taylor.linearized.Linearized`; ``û ⊥ 1``). Returns
     ``c = 1/s`` ``(B, N)``; ``γ`` ``(D,)`` (ones without an affine weight);
     ``U`` ``(B, 2N, N, D)``: ``e_t ⊗ 1/√D`` then ``e_t ⊗ û_t`` (zero where
     ``x_c = 0``); ``kept = 1 − Λ`` ``(B, 2N)``: 0 on the mean directions,
@@ -160,9 +165,9 @@ def with_softmax_gains(block, attn_in: Tensor, terms: LoFASTTerms
                        ) -> LoFASTTerms:
     """``terms`` of ``block``'s attention at its clean input ``attn_in``
     ``(B, N, D)`` with the softmax path's row gains and the logit variance
-    gains set (:func:`~lipvit.certify.remainders.softmax_row_gains`,
-    :func:`~lipvit.certify.remainders.logit_variance_gain`,
-    :func:`~lipvit.certify.remainders.logit_row_variance_gains`)."""
+    gains set (:func:`~lipvit.certify.taylor.remainders.softmax_row_gains`,
+    :func:`~lipvit.certify.taylor.remainders.logit_variance_gain`,
+    :func:`~lipvit.certify.taylor.remainders.logit_row_variance_gains`)."""
     W_q, W_k, W_v, W_o = bound_weights(block.attn)
     V = torch.einsum("bnD,hDE->bhnE", attn_in, value_output(W_v, W_o))  # (B, H, N, D)
     P = torch.softmax(terms.logits, dim=-1)  # (B, H, N, N)
@@ -221,7 +226,7 @@ def subblock_parts(block, X: Tensor, terms: LoFASTTerms,
     attention's at ``norm1(X)`` (with :func:`with_softmax_gains`'s row gains
     for the tighter softmax path). ``weighted``: where the softmax path's
     bound is more than :data:`WEIGHTED_SHARE` of the value path's, also bound
-    it by :func:`~lipvit.certify.softmax_norm.softmax_norm_bound` (where
+    it by :func:`~lipvit.certify.taylor.softmax_norm.softmax_norm_bound` (where
     smaller)."""
     norm = block.norm1
     W_q, W_k, W_v, W_o = bound_weights(block.attn)
@@ -245,3 +250,106 @@ def subblock_parts(block, X: Tensor, terms: LoFASTTerms,
                                             P[need], token_jacobians(norm, X_n))
         softmax = softmax.index_put((need,), torch.fmin(softmax[need], weighted_bound))
     return SubBlockBound(value, softmax)
+
+
+# --------------------------------------------------------------------------
+# Exact sub-block Jacobian norms (the explicitly exact small-size mode).
+# --------------------------------------------------------------------------
+
+EXACT_MAX = 1024
+"""Largest token-matrix size ``N·D`` for which :func:`subblock_norms` forms a
+whole attention sub-block's ``(N·D) × (N·D)`` Jacobian (its cost grows as
+``(N·D)²`` per sample: about 0.25 s per sample at ``N·D = 544`` on one CPU
+core, 2.4 s at 1088); above it the certificate uses the product bounds for
+these two maps."""
+
+
+@dataclass(frozen=True)
+class SubBlockNorms:
+    """Exact spectral norms of the clean point's sub-block Jacobians, rounded up
+    (docs/taylor.md §8): each is a valid ``λ`` of the budget recursion
+    (``+inf`` where not computed: :func:`subblock_norms`).
+
+    Attributes:
+        attn: ``(B, K)``: ``‖D(s ↦ s + attn(norm1(s)))‖`` at ``s_{2k}``.
+        bare: ``(B, K)``: ``‖D attn‖`` at the attention's input ``p_k``.
+        mlp: ``(B, K, N)``: the feed-forward sub-block's (``s + mlp(norm2(s))``,
+            or ``SLL(P₂(s))``) at ``s_{2k+1}``, per token (it is token-wise: its
+            norm is the largest token's ``D × D`` Jacobian norm).
+        unit: per block ``(B, N, m)``: ``‖∇_{s_t} z_{t,i}‖``, each
+            pre-activation's gradient norm w.r.t. its own token of ``s_{2k+1}``.
+        ffn: per block ``(B, N)``: ``‖D mlp‖`` per token at norm2's output
+            (standard family: ``‖W₂ diag(GELU′(z_t)) W₁‖``).
+        into: per block but the last ``(B, N)``: the feed-forward sub-block
+            composed with the next block's LayerNorm, ``‖D(s ↦ norm1_{k+1}(s +
+            mlp(norm2(s))))‖`` per token at ``s_{2k+1}`` (standard family, both
+            token-wise; ``+inf`` for a lipschitz model).
+    """
+
+    attn: Tensor
+    bare: Tensor
+    mlp: Tensor
+    unit: list[Tensor]
+    ffn: list[Tensor]
+    into: list[Tensor]
+
+
+def _dense_norm(fn, X: Tensor, chunk: int = 8) -> Tensor:
+    """``‖Dfn(X_b)‖`` ``(B,)`` of a map of token matrices ``(B, N, D) → (B, N, D)``:
+    the whole ``(N·D) × (N·D)`` Jacobian (forward mode), ``chunk`` samples at a
+    time, and its norm by :func:`gram_norm`."""
+    n = X[0].numel()
+    jac = torch.func.vmap(torch.func.jacfwd(lambda s: fn(s[None])[0]))
+    with torch.no_grad():
+        return torch.cat([gram_norm(jac(Xc).reshape(-1, n, n))
+                          for Xc in X.split(chunk)])
+
+
+def _token_tangents(fn, X: Tensor) -> Tensor:
+    """Per-token Jacobians of a token-wise map: ``(B, N, D, out)``, row ``d`` the
+    output tangent of ``e_d`` (at every token at once: the tokens do not mix)."""
+    B, N, D = X.shape
+    E = torch.eye(D, dtype=X.dtype, device=X.device)[:, None].expand(D, N, D)
+    with torch.no_grad(), fwAD.dual_level():
+        Y = fn(fwAD.make_dual(X.repeat_interleave(D, 0), E.repeat(B, 1, 1)))
+        T = fwAD.unpack_dual(Y).tangent  # (B·D, N, out)
+    return T.reshape(B, D, N, -1).transpose(1, 2)
+
+
+def subblock_norms(
+    model: ViT, clean: Record, max_size: int | None = None
+) -> SubBlockNorms:
+    """:class:`SubBlockNorms` at the clean point, by forward-mode AD. The
+    token-wise maps' norms (``mlp``, ``unit``, ``ffn``: ``D`` tangents per
+    token) are computed at every size; the whole attention maps' (``attn``,
+    ``bare``) only when ``N·D ≤ max_size`` (default :data:`EXACT_MAX`: their
+    ``(N·D) × (N·D)`` Jacobians are formed) and are ``+inf`` otherwise (the
+    certificate then keeps its product bounds)."""
+    X0 = clean.stream[0]
+    whole = X0[0].numel() <= (EXACT_MAX if max_size is None else max_size)
+    inf = torch.full(X0.shape[:1], math.inf, dtype=X0.dtype, device=X0.device)
+    attn, bare, mlp, unit, ffn, into = [], [], [], [], [], []
+    for k, block in enumerate(model.blocks):
+        X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
+        attn.append(_dense_norm(
+            lambda s, b=block: s + explicit_attention(b.attn, b.norm1(s)), X)
+            if whole else inf)
+        bare.append(_dense_norm(partial(explicit_attention, block.attn),
+                                clean.attn_in[k]) if whole else inf)
+        if model.config.family == "lipschitz":
+            ff = lambda s, b=block: b.mlp(b.norm2(s))  # noqa: E731
+        else:
+            ff = lambda s, b=block: s + b.mlp(b.norm2(s))  # noqa: E731
+        mlp.append(gram_norm(_token_tangents(ff, X_mid)))  # (B, N)
+        T_z = _token_tangents(lambda s, b=block: b.mlp.fc1(b.norm2(s)), X_mid)
+        unit.append(torch.linalg.vector_norm(T_z, dim=2) * (1 + 1e-12))  # (B, N, m)
+        ffn.append(gram_norm(_token_tangents(block.mlp, block.norm2(X_mid))))
+        if k + 1 == len(model.blocks):
+            continue
+        if model.config.family == "lipschitz":
+            into.append(torch.full_like(mlp[-1], math.inf))
+        else:
+            nxt = lambda s, f=ff, n=model.blocks[k + 1].norm1: n(f(s))  # noqa: E731
+            into.append(gram_norm(_token_tangents(nxt, X_mid)))
+    return SubBlockNorms(torch.stack(attn, 1), torch.stack(bare, 1),
+                         torch.stack(mlp, 1), unit, ffn, into)

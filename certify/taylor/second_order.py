@@ -12,7 +12,7 @@ output entry) :func:`attention_hessian_norm` computes in closed form from the
 image's tangents, so ``‖½D²a[LΓ,LΓ]‖ ≤ ½‖H‖ ε²`` with ``H`` the ``n² × (N·D)``
 matrix of those coefficients (``vec(ΓΓᵀ)`` has norm ``‖Γ‖²``). The middle terms
 use the quadratic coefficient ``q`` of the budget-only bound
-(:func:`~lipvit.certify.remainders.attention_remainder` divided by ``β²`` as
+(:func:`~lipvit.certify.taylor.remainders.attention_remainder` divided by ``β²`` as
 ``β → 0``) and polarisation, ``‖D²a[x,y]‖ ≤ 2q‖x‖‖y‖``; :func:`third_order`
 bounds ``R₃``.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 
 import torch
-from lipvit.certify.lofast import LoFASTTerms
-from lipvit.certify.remainders import (
+from lipvit.certify.lofast.layer import LoFASTTerms
+from lipvit.certify.taylor.remainders import (
     ImagePart,
     attention_remainder,
     image_times,
@@ -31,8 +31,9 @@ from lipvit.certify.remainders import (
     row_gains,
     softmax_constants,
 )
-from lipvit.certify.tangents import top_root
 from torch import Tensor
+
+from lipvit.spectral import top_root
 
 HESSIAN_MAX = 2**23
 """Largest ``n² · H · N²`` (entries of one ``(n, n, H, N, N)`` tensor) for which

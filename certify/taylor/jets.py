@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-from lipvit.certify.relaxations import gelu_grad
+from lipvit.certify.crown.relaxations import gelu_grad
 from torch import Tensor
 
 from lipvit.spectral import eigh, eigvalsh

@@ -1,6 +1,6 @@
 """The second-order Taylor model of a standard ViT's margins (docs/taylor.md §12).
 
-:func:`logit_jet` pushes the image's jet (:mod:`lipvit.certify.jets`) through
+:func:`logit_jet` pushes the image's jet (:mod:`lipvit.certify.taylor.jets`) through
 the patch embedding, every block's LayerNorms, attention and GELU MLP, the final
 LayerNorm and the head: the margins' exact gradient and Hessian in the image
 and a sound bound on the rest at any ε. :class:`JetMargins` turns them into
@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
-from lipvit.certify import jets
-from lipvit.certify.jets import Jet
+from lipvit.certify.taylor import jets
+from lipvit.certify.taylor.jets import Jet
 from torch import Tensor, nn
 
 from lipvit.model import MLP, Attention, ViT
@@ -73,7 +73,7 @@ def embedding_jet(model: ViT, x: Tensor) -> Jet:
 def layer_norm(j: Jet, ln: nn.LayerNorm) -> Jet:
     """``γ (x − μ)/√(σ² + η) + β`` over the last axis of ``S`` (``(N, D)`` or
     ``(D,)``): centring (linear), the variance (a contraction), the inverse
-    square root (:func:`~lipvit.certify.jets.inverse_sqrt`) and a product."""
+    square root (:func:`~lipvit.certify.taylor.jets.inverse_sqrt`) and a product."""
     D = j.shape[-1]
     p = "t" if len(j.shape) == 2 else ""
     centre = torch.eye(D, dtype=j.c.dtype, device=j.c.device) - 1 / D
@@ -128,12 +128,11 @@ class JetMargins:
     """Margin-drop bounds of one image from its logits' jet (eq. 12.6):
     ``f_y − f_j ≥ m_j + min_{‖δ‖≤ε} (g_jᵀδ + ½δᵀH_jδ) − r_j(ε)``.
 
-    The rests are back-substituted (:class:`~lipvit.certify.jets.BackSubstitution`)
-    at the margins and at every input of a non-linear operation with at most
-    ``back_max`` elements (default ``N·max(D, m)``: the token matrices and the
-    MLP's hidden units; the ``H·N²`` attention matrices, where larger, keep
-    their forward bounds).
-    """
+    The rests are back-substituted
+    (:class:`~lipvit.certify.taylor.jets.BackSubstitution`) at the margins and at every
+    input of a non-linear operation with at most ``back_max`` elements (default
+    ``N·max(D, m)``: the token matrices and the MLP's hidden units; the ``H·N²``
+    attention matrices, where larger, keep their forward bounds). """
 
     def __init__(self, model: ViT, x: Tensor, y: int, back_max: float | None = None):
         cfg = model.config

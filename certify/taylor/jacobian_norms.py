@@ -1,12 +1,12 @@
 """Streamed, memory-bounded norms of the Jacobians from the image (docs/taylor.md §11).
 
-:func:`lipvit.certify.sites.jacobian_norms` needs, per sample, the norm of
-the clean point's Jacobian ``J_{u←x}`` from the image (``n`` dimensions) to
-every stream state, attention input and pre-activation, whole, per token and
-per unit. Stacking the ``n`` tangents of every site input costs
-``n × activations`` memory (17 GB for one CIFAR image at 3×128); here the
-tangents are pushed through :class:`lipvit.certify.linearized.Linearized` a
-few at a time and reduced as they come:
+:func:`lipvit.certify.taylor.jacobian_norms.jacobian_norms` needs, per sample, the norm
+of the clean point's Jacobian ``J_{u←x}`` from the image (``n`` dimensions) to every
+stream state, attention input and pre-activation, whole, per token and per unit.
+Stacking the ``n`` tangents of every site input costs ``n × activations`` memory (17 GB
+for one CIFAR image at 3×128); here the tangents are pushed through
+:class:`lipvit.certify.taylor.linearized.Linearized` a few at a time and reduced as they
+come:
 
 * per token ``t``: ``J_t J_tᵀ = Σ_i (J e_i)_t (J e_i)_tᵀ`` (``D × D``), exact;
 * per unit: ``‖∇_x z_i‖² = Σ_i (J e_i)_z²``, exact;
@@ -29,24 +29,18 @@ Memory: the tangents held at once (``max_memory`` bytes, :func:`plan`).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
-from lipvit.certify import jet_vit
-from lipvit.certify.linearized import CACHE_BYTES, Linearized
+from lipvit.certify.memory import MemoryBudgetError, memory_budget
+from lipvit.certify.taylor import margin_jets
+from lipvit.certify.taylor.linearized import CACHE_BYTES, Linearized
+from lipvit.certify.taylor.remainders import LogitVariance
+from lipvit.certify.taylor.second_order import attention_hessian_norm
 from torch import Tensor
 
-from lipvit.errors import LipvitError
 from lipvit.model import ViT
-from lipvit.spectral import eigvalsh
-
-DEFAULT_MAX_MEMORY = 4 * 2**30
-"""Default bytes held at once (4 GiB, or a sixth of the machine's memory when
-that is less): enough for ``cifar-lofast-6x384``, whose per-token Gram
-matrices alone take 1 GB."""
-
+from lipvit.spectral import gram_norm, top_root
 
 REFINE = 0.05
 """Patch blocks whose Frobenius norm is at least this fraction of the largest
@@ -58,60 +52,6 @@ FLUSH = 128
 """Image tangents held and reduced at a time where the budget allows (whole
 patches): each sample of a batch holds its own, so fewer lets more samples
 share a push; more saves little (one reduction per site per flush)."""
-
-
-class MemoryBudgetError(LipvitError):
-    """The memory budget cannot hold even the smallest chunk of work."""
-
-
-def physical_memory() -> int | None:
-    """Bytes of physical memory, ``None`` where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def default_max_memory() -> int:
-    """:data:`DEFAULT_MAX_MEMORY`, or a sixth of the physical memory if smaller."""
-    total = physical_memory()
-    return DEFAULT_MAX_MEMORY if total is None else min(DEFAULT_MAX_MEMORY, total // 6)
-
-
-def memory_budget(max_memory: int | None) -> int:
-    """``max_memory`` bytes, or :func:`default_max_memory` where ``None``."""
-    return default_max_memory() if max_memory is None else max_memory
-
-
-def parse_memory(text: str) -> int:
-    """``"512M"``, ``"2G"``, ``"2GiB"`` or a byte count → bytes; a one-line
-    error otherwise."""
-    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    s = text.strip().upper().removesuffix("IB").removesuffix("B")
-    number, unit = (s[:-1], s[-1]) if s and s[-1] in units else (s, "")
-    try:
-        value = float(number) * units[unit]
-    except ValueError:
-        raise LipvitError(f"--max-memory: cannot read {text!r} (e.g. 512M, 2G)"
-                          ) from None
-    if not math.isfinite(value) or value <= 0:
-        raise LipvitError(f"--max-memory must be a positive size, got {text!r}")
-    return int(value)
-
-
-def gram_norm(T: Tensor) -> Tensor:
-    """``‖J‖`` from tangents ``T = J E`` ``(..., n, M)`` (``E`` the identity): exact,
-    ``√λ_max`` of the smaller Gram matrix (``T Tᵀ`` or ``Tᵀ T``, the same
-    ``λ_max``) by eigvalsh, rounded up by a relative ``1e-12``."""
-    if T.shape[-2] <= T.shape[-1]:
-        return top_root(T @ T.transpose(-1, -2))
-    return top_root(T.transpose(-1, -2) @ T)
-
-
-def top_root(gram: Tensor) -> Tensor:
-    """``√λ_max`` of symmetric PSD matrices ``(..., k, k)``, rounded up."""
-    lam = eigvalsh(gram)[..., -1].clamp_min(0)
-    return (lam * (1 + 1e-12) + 1e-300).sqrt()
 
 
 @dataclass(frozen=True)
@@ -176,29 +116,31 @@ def min_memory(model: ViT) -> int:
 
 def jets_need(model: ViT) -> int:
     """Bytes of the smallest budget that holds one sample's second-order
-    Taylor models (:func:`~lipvit.certify.jet_vit.jet_bytes`, an estimate from
-    above) beside :func:`min_memory`."""
-    return jet_vit.jet_bytes(model) + min_memory(model)
+    Taylor models (:func:`~lipvit.certify.taylor.margin_jets.jet_bytes`, an estimate
+    from above) beside :func:`min_memory`."""
+    return margin_jets.jet_bytes(model) + min_memory(model)
 
 
 def jets_fit(model: ViT, max_memory: int | None) -> bool:
     """Whether ``taylor`` builds the margins' second-order Taylor models: the
-    model is one :func:`lipvit.certify.jet_vit.supports` and :func:`jets_need`
-    is within ``max_memory`` bytes (default :func:`default_max_memory`). Where
-    it is not, the certificate is the one without them (docs/taylor.md §12):
-    the budget holds, the radii are smaller."""
-    return jet_vit.supports(model) and jets_need(model) <= memory_budget(max_memory)
+    model is one :func:`lipvit.certify.taylor.margin_jets.supports` and
+    :func:`jets_need` is within ``max_memory`` bytes (default
+    :func:`default_max_memory`). Where it is not, the certificate is the one without
+    them (docs/taylor.md §12): the budget holds, the radii are smaller."""
+    return margin_jets.supports(model) and jets_need(model) <= memory_budget(max_memory)
 
 
-def taylor_batch(model: ViT, max_memory: int | None, exact_max: int) -> int:
-    """Samples per :func:`lipvit.certify.taylor.taylor_bound` call within
+def taylor_batch(model: ViT, max_memory: int | None, exact_max: int | None = None
+                 ) -> int:
+    """Samples per :func:`lipvit.certify.taylor.certificate.taylor_bound` call within
     ``max_memory`` bytes: each sample keeps one autograd graph of the forward
     pass per class (the margins' gradients, back-substituted at every ε) and
     its symbols' accumulators, its second-order Taylor model
-    (:func:`lipvit.certify.jet_vit.jet_bytes`) where one is built
+    (:func:`lipvit.certify.taylor.margin_jets.jet_bytes`) where one is built
     (:func:`jets_fit`), and its share of the batch's tangents
-    (:func:`sample_bytes` of :func:`plan` with ``exact_max``: the batch's
-    samples are pushed together)."""
+    (:func:`sample_bytes` of :func:`plan` with ``exact_max``, default
+    :data:`EXACT_GRAM_MAX`: the batch's samples are pushed together)."""
+    exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
     cfg = model.config
     N, D, H, m, K, _ = _sizes(model)
     graph = 8 * K * N * (8 * D + 4 * m + 3 * H * N)  # one forward pass, kept
@@ -206,7 +148,7 @@ def taylor_batch(model: ViT, max_memory: int | None, exact_max: int) -> int:
     per_sample = cfg.num_classes * graph + carried
     per_sample += sample_bytes(model, plan(model, exact_max, max_memory))
     if jets_fit(model, max_memory):
-        per_sample += jet_vit.jet_bytes(model)
+        per_sample += margin_jets.jet_bytes(model)
     return max(1, memory_budget(max_memory) // per_sample)
 
 
@@ -235,31 +177,6 @@ PER_HEAD = ("logits", "queries", "keys")
 """The site kinds whose whole-matrix norms are per head (exact mode only)."""
 
 
-class LogitVariance(NamedTuple):
-    """Variance gains of the image → attention-logit map of one block
-    (docs/taylor.md §7, *through the image*): with ``U = J_{S←x}Γ`` the
-    logits' first-order change (``(H, N, N)``) and ``Var_r`` the variance of
-    row ``r`` of head ``h`` under the clean ``p_{h,r}``, per unit ``‖Γ‖²``:
-    ``whole`` ``(…, H)`` ``max Σ_r Var_r``, ``row`` ``(…, H)`` ``max_r max
-    Var_r``, and over all heads at once ``whole_all`` ``(…)`` ``max Σ_{h,r}
-    Var_{h,r}`` and ``row_all`` ``(…)`` ``max_r max Σ_h Var_{h,r}``. Exact
-    (eigvalsh, rounded up); ``+inf`` where not computed."""
-
-    whole: Tensor
-    row: Tensor
-    whole_all: Tensor
-    row_all: Tensor
-
-    def block(self, k: int) -> LogitVariance:
-        """Block ``k``'s gains of batched ``(B, K, …)`` fields."""
-        return LogitVariance(*(f[:, k] for f in self))
-
-    @staticmethod
-    def stack(parts: list[LogitVariance], dim: int = 0) -> LogitVariance:
-        """The fields of ``parts`` stacked along a new axis ``dim``."""
-        return LogitVariance(*(torch.stack(f, dim) for f in zip(*parts, strict=True)))
-
-
 def logit_variance(T: Tensor, P: Tensor) -> LogitVariance:
     """:class:`LogitVariance` from the logit tangents ``T = J_{S←x}E`` ``(…, n, H,
     N, N)`` of the image's ``n`` basis vectors and the clean probabilities
@@ -283,8 +200,8 @@ class JacobianNorms:
 
     Per token and per unit they are **exact** (float rounding aside, rounded
     up); whole-matrix norms are exact when the image has at most
-    :data:`lipvit.certify.sites.EXACT_GRAM_MAX` dimensions (``exact`` true) and
-    otherwise **upper bounds** from the patch-block matrix (module docstring).
+    :data:`lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX` dimensions (``exact``
+    true) and otherwise **upper bounds** from the patch-block matrix (module docstring).
 
     Attributes:
         stream: whole stream states ``(B, 2K+1)``.
@@ -304,7 +221,7 @@ class JacobianNorms:
             (:class:`LogitVariance`); ``+inf`` where not ``exact``.
         attn_hessian: per block ``(B, K)``: ``σ`` with ``‖½D²a[J_{p←x}Γ,
             J_{p←x}Γ]‖ ≤ σ‖Γ‖²`` for the bare attention ``a``
-            (:func:`lipvit.certify.second_order.attention_hessian_norm`);
+            (:func:`lipvit.certify.taylor.second_order.attention_hessian_norm`);
             ``+inf`` where not ``exact``, too large, or in the lipschitz family
             (whose certificate does not use it).
         exact: whether the whole-matrix norms are exact.
@@ -448,7 +365,6 @@ def norms_of_batch(
             gram_norm(T.permute(0, 2, 3, 1, 4)).amax(-1) for T in T_S], dim=1)
         variance = LogitVariance.stack([
             logit_variance(T, b.P) for T, b in zip(T_S, lin.blocks, strict=True)], 1)
-        from lipvit.certify.second_order import attention_hessian_norm  # imports us
         hessian = inf[..., 0] if lin.lipschitz else torch.stack([  # standard only
             torch.stack([attention_hessian_norm(lin.blocks[k].sample(b), T[b])
                          for b in range(B)])  # n² pairs each: one sample at a time
@@ -472,3 +388,34 @@ def norms_of_batch(
         attn_hessian=hessian,
         exact=how.exact,
     )
+
+
+EXACT_GRAM_MAX = 256
+"""Largest image dimension ``n`` for which :func:`jacobian_norms` computes the
+whole-matrix norms exactly, from the ``n × n`` Gram matrices of the stored
+tangents (memory ``n × activations``, cost ``n² × activations``); above it
+they are bounded by the patch-block matrix."""
+
+
+def jacobian_norms(
+    model: ViT, x: Tensor, exact_max: int | None = None,
+    max_memory: int | None = None, lin=None,
+) -> JacobianNorms:
+    """:class:`JacobianNorms` of ``model`` at images ``x`` ``(B, C, S, S)``.
+
+    The image's ``n`` basis tangents are pushed through the linearised network
+    (:class:`lipvit.certify.taylor.linearized.Linearized`, the clean pass once for the
+    batch, every sample's tangents in one push) a few at a time, patch by
+    patch (``exact_max``: default :data:`EXACT_GRAM_MAX`), and every quantity
+    is *accumulated* (:func:`lipvit.certify.taylor.jacobian_norms.norms_of_batch`):
+    per-token ``D × D`` Gram matrices, per-unit squared norms, and either the
+    stored tangents of the whole-matrix maps (``n ≤ exact_max``: their
+    ``n × n`` Gram matrices, exact) or the norms of their patch blocks
+    (bounded by the block matrix's norm). Memory: ``max_memory`` bytes of
+    tangents (:func:`lipvit.certify.taylor.jacobian_norms.plan`). ``lin``: the batch's
+    :class:`~lipvit.certify.taylor.linearized.Linearized`, if built already.
+    """
+    exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
+    return norms_of_batch(model, x, exact_max, max_memory, lin)
+
+

@@ -56,7 +56,7 @@ from lipvit.certify.local import (
     layernorm_local_lipschitz,
     linear_norm,
 )
-from lipvit.certify.lofast import LoFASTTerms, lofast_terms, zeta_cls
+from lipvit.certify.lofast.layer import LoFASTTerms, lofast_terms, zeta_cls
 from lipvit.certify.specformer import specformer_terms
 from torch import Tensor
 

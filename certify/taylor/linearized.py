@@ -2,19 +2,19 @@
 
 ``taylor``'s exact quantities are all of one kind: the clean point's Jacobian
 applied to many tangents (the image's ``n`` basis vectors for
-:func:`lipvit.certify.sites.jacobian_norms`, one column per ReLU symbol for
-:mod:`lipvit.certify.symbols`). Forward-mode AD through the model recomputes
-the clean forward pass for every tangent and routes the attention through
-small batched products; :class:`Linearized` computes the clean pass **once**
-for a batch of ``B`` images, keeps what the Jacobian needs (the token norms
-of each projection, the LayerNorm statistics, each head's ``Q``, ``K``, ``V``
-and softmax ``P``, each activation's derivative) and applies each sample's
-Jacobian to its ``c`` tangents, ``(B, c, N, D)`` in all, with one large
-matrix product per operation for the whole batch (on a GPU each operation is
-a kernel launch: their number per sample falls as ``1/B``).
+:func:`lipvit.certify.taylor.jacobian_norms.jacobian_norms`, one column per ReLU symbol
+for :mod:`lipvit.certify.taylor.symbols`). Forward-mode AD through the model recomputes
+the clean forward pass for every tangent and routes the attention through small batched
+products; :class:`Linearized` computes the clean pass **once** for a batch of ``B``
+images, keeps what the Jacobian needs (the token norms of each projection, the LayerNorm
+statistics, each head's ``Q``, ``K``, ``V`` and softmax ``P``, each activation's
+derivative) and applies each sample's Jacobian to its ``c`` tangents, ``(B, c, N, D)``
+in all, with one large matrix product per operation for the whole batch (on a GPU each
+operation is a kernel launch: their number per sample falls as ``1/B``).
 
-The maps are the derivatives of exactly what :func:`lipvit.certify.sites.forward`
-computes (tested against forward-mode AD to float rounding):
+The maps are the derivatives of exactly what
+:func:`lipvit.certify.taylor.forward.forward` computes (tested against forward-mode AD
+to float rounding):
 
 * LayerProject ``p(x) = x R/max(‖x‖, R)``: ``J T = T`` inside the ball and
   ``(R/‖x‖)(T − x̂ x̂ᵀT)`` where ``‖x‖ ≥ R`` (autograd's side at ``‖x‖ = R``);
@@ -39,7 +39,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from lipvit.certify.relaxations import gelu_grad
+from lipvit.certify.crown.relaxations import gelu_grad
+from lipvit.certify.taylor.forward import forward
 from torch import Tensor
 
 from lipvit.layers import LayerProject
@@ -115,20 +116,19 @@ class _Block:
 
 
 class Linearized:
-    """The Jacobian of :func:`lipvit.certify.sites.forward` at a batch of images.
+    """The Jacobian of :func:`lipvit.certify.taylor.forward.forward` at a batch of
+    images.
 
     Every sample's clean pass is computed once; a push applies each sample's
     Jacobian to its own ``c`` tangents with one batched product per
     operation for the whole batch.
 
     Args:
-        model: a lipvit ViT (:func:`lipvit.certify.sites.check_supported`).
+        model: a lipvit ViT (:func:`lipvit.certify.taylor.forward.check_supported`).
         x: images ``(B, C, S, S)``, the model's dtype.
     """
 
     def __init__(self, model: ViT, x: Tensor):
-        from lipvit.certify.sites import forward  # sites imports this module
-
         self.model = model
         self.lipschitz = model.config.family == "lipschitz"
         with torch.no_grad():

@@ -28,6 +28,8 @@ import math
 from typing import NamedTuple
 
 import torch
+from lipvit.certify.attention import value_output
+from lipvit.certify.lofast.operators import sensitivity_matvec, sensitivity_rmatvec
 from torch import Tensor
 
 from lipvit.spectral import eigh, eigvalsh, seeded_start
@@ -285,7 +287,6 @@ def value_kappa(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Tensor:
 def gram_apply(Gamma: Tensor, P: Tensor, W_v: Tensor, W_o: Tensor,
                residual: bool) -> Tensor:
     """``G Γ = A*(A(Γ))`` for a block ``Γ`` ``(B, K, N, D)``, ``P`` ``(B, H, N, N)``."""
-    from lipvit.certify.lofast import sensitivity_matvec, sensitivity_rmatvec
 
     Pb = P[:, None]  # (B, 1, H, N, N)
     return sensitivity_rmatvec(sensitivity_matvec(Gamma, Pb, W_v, W_o, residual),
@@ -348,7 +349,6 @@ def zeta_certificate(
     Returns:
         :class:`ZetaCertificate`, ``(B,)`` each, float64.
     """
-    from lipvit.certify.attention import value_output
 
     B, H, N, _ = P.shape
     D = W_v.shape[1]

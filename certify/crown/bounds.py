@@ -14,10 +14,10 @@ Margins are bounded directly with a specification matrix ``C`` (row ``j`` is
 iff the clean point is classified ``y`` and every ``logit_y − logit_j``
 (``j ≠ y``) has a positive lower bound over the ball.
 
-Soundness. The model is rewritten by :func:`lipvit.certify.verifiable.to_verifiable`
-(same function, float64) and bounded by auto_LiRPA 0.3 with three safeguards,
-because parts of auto_LiRPA 0.3 are unsound and lipvit only trusts what it has
-reviewed and tests against sampling and PGD:
+Soundness. The model is rewritten by
+:func:`lipvit.certify.crown.verifiable.to_verifiable` (same function, float64) and
+bounded by auto_LiRPA 0.3 with three safeguards, because parts of auto_LiRPA 0.3 are
+unsound and lipvit only trusts what it has reviewed and tests against sampling and PGD:
 
 - every node with a perturbed output must be of a reviewed operator type
   (:data:`REVIEWED_OPS`), else :class:`UnsupportedModelError`. Left out on
@@ -30,7 +30,7 @@ reviewed and tests against sampling and PGD:
 - LayerProject's factor ``ψ_R(s) = min(1, R/√s)`` is one operator with our own
   relaxation (:func:`project_scale_relaxation`), so no square root is bounded;
   so are the standard family's LayerNorm scale ``1/√(v + η)`` and exact GELU
-  (:mod:`lipvit.certify.relaxations`).
+  (:mod:`lipvit.certify.crown.relaxations`).
   Softmax outputs are clipped to ``[0, 1]`` (auto_LiRPA's reference bounds).
 - the softmax ``Div`` is relaxed through ``1/y`` on the denominator's bounds,
   valid only if they are > 0; samples where they are not, or where any
@@ -75,23 +75,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lipvit.certify import lirpa_compat
-from lipvit.certify.eps import check_eps
-from lipvit.certify.network import check_dot_attention
-from lipvit.certify.relaxations import (
+from lipvit.certify.crown import lirpa_compat
+from lipvit.certify.crown.relaxations import (
     gelu,
     gelu_range,
     gelu_relaxation,
     rsqrt,
     rsqrt_relaxation,
 )
-from lipvit.certify.verifiable import (
+from lipvit.certify.crown.verifiable import (
     GELU_OP,
     PROJECT_SCALE_OP,
     RSQRT_OP,
     project_scale,
     to_verifiable,
 )
+from lipvit.certify.eps import check_eps
+from lipvit.certify.lofast.network import check_dot_attention
 from torch import Tensor, nn
 
 from lipvit.errors import UnsupportedModelError
@@ -207,8 +207,8 @@ def _bound_custom_class(op: str) -> type:
     """auto_LiRPA operator class for one of :data:`CUSTOM_OPS` (ψ_R of LayerProject,
     LayerNorm's ``1/√(v + η)``, the exact GELU), bounded by its own relaxation.
 
-    Built on first use, after :func:`lipvit.certify.lirpa_compat.import_auto_lirpa`.
-    """
+    Built on first use, after
+    :func:`lipvit.certify.crown.lirpa_compat.import_auto_lirpa`. """
     ops = importlib.import_module("auto_LiRPA.operators")
     name, attr_name, fn, interval, relaxation = CUSTOM_OPS[op]
 
@@ -379,7 +379,7 @@ def check_crown_support(model: ViT) -> None:
     """Refuse, with a one-line reason, a model lipvit's CROWN backend cannot bound.
 
     Both families are bounded (the standard family's GELU and LayerNorm through
-    :mod:`lipvit.certify.relaxations`); attention other than dot-product is not.
+    :mod:`lipvit.certify.crown.relaxations`); attention other than dot-product is not.
 
     Raises:
         TypeError: not a :class:`lipvit.ViT`.

@@ -3,8 +3,9 @@
 :func:`to_verifiable` returns a plain ``nn.Module`` computing the same function
 as ``model.double()`` (equal to float rounding; the tests check 1e-6) with only
 operators whose auto_LiRPA 0.3 bounds lipvit has reviewed (see
-:mod:`lipvit.certify.crown`), plus three operators of our own with our own
-relaxations (:mod:`lipvit.certify.crown`, :mod:`lipvit.certify.relaxations`):
+:mod:`lipvit.certify.crown.bounds`), plus three operators of our own with our own
+relaxations (:mod:`lipvit.certify.crown.bounds`,
+:mod:`lipvit.certify.crown.relaxations`):
 
 =================================  ==============================================
 model                              verifiable model
@@ -43,7 +44,7 @@ import copy
 import math
 
 import torch
-from lipvit.certify.relaxations import gelu, gelu_grad, rsqrt
+from lipvit.certify.crown.relaxations import gelu, gelu_grad, rsqrt
 from torch import Tensor, nn
 
 from lipvit.layers import SLL, LayerProject
@@ -80,7 +81,7 @@ def _rsqrt_slope(v: Tensor, eta: float) -> Tensor:
 def _operator(name: str, fn, slope, attr: str | None, doc: str) -> type:
     """An elementwise ``fn(x, param)`` as one graph operator ``name`` (its float
     ``param`` the ONNX attribute ``attr``), with gradient ``slope(x, param)``:
-    auto_LiRPA bounds it with lipvit's relaxation (:mod:`lipvit.certify.crown`);
+    auto_LiRPA bounds it with lipvit's relaxation (:mod:`lipvit.certify.crown.bounds`);
     in plain torch it is ``fn``. Called as ``Op.apply(x, param)``."""
 
     class Operator(torch.autograd.Function):
@@ -112,11 +113,11 @@ ProjectScale = _operator(
     ":func:`project_scale` (``lipvit::ProjectScale``): ``ProjectScale.apply(s, R)``.")
 RSqrt = _operator(
     RSQRT_OP, rsqrt, _rsqrt_slope, "eta",
-    "LayerNorm's ``1/√(v + η)`` (:func:`lipvit.certify.relaxations.rsqrt`, "
+    "LayerNorm's ``1/√(v + η)`` (:func:`lipvit.certify.crown.relaxations.rsqrt`, "
     "``lipvit::RSqrt``): ``RSqrt.apply(v, η)``.")
 GELU = _operator(
     GELU_OP, lambda x, _: gelu(x), lambda x, _: gelu_grad(x), None,
-    "The exact GELU (:func:`lipvit.certify.relaxations.gelu`, ``lipvit::GELU``): "
+    "The exact GELU (:func:`lipvit.certify.crown.relaxations.gelu`, ``lipvit::GELU``): "
     "``GELU.apply(x, None)``.")
 
 

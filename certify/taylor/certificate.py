@@ -14,16 +14,17 @@ to logits) and ``G_site`` (an additive injection at the site's output to the
 logits) are the clean point's exact Jacobians; ``c_jᵀJ`` and ``c_jᵀG_site``
 are gradients of the margin ``f_j − f_y`` with respect to the image and to a
 zero tensor added at the site's output, one backward pass per class, batched.
-``ρ_site`` (:mod:`lipvit.certify.remainders`) bounds the remainder (or its weighted
-sum over tokens and units) when the site's input moves by at most ``β_site``;
-a standard model's attention also takes the smaller of that and its
-remainder to second order through the image
-(:mod:`lipvit.certify.second_order`), whole and per output token.
+``ρ_site`` (:mod:`lipvit.certify.taylor.remainders`) bounds the remainder (or its
+weighted sum over tokens and units) when the site's input moves by at most ``β_site``; a
+standard model's attention also takes the smaller of that and its remainder to second
+order through the image (:mod:`lipvit.certify.taylor.second_order`), whole and per
+output token.
 
 Perturbation budgets β (docs/taylor.md §8). On the residual stream
 ``s_0`` (block 0's input), ``s_1`` (block 0's middle), …, ``s_{2K}``:
 
-* **chain**: the LoFAST composition of :func:`lipvit.certify.network.network_bound`
+* **chain**: the LoFAST composition of
+:func:`lipvit.certify.lofast.network.network_bound`
   (``NetworkBound.trace``: whole matrix and class token);
 * **recursion**: ``Γ_m = J_{m←x} Γ_x + Σ_{k≤m} J_{m:k} R_k`` gives
   ``β_m ≤ ‖J_{m←x}‖ ε + Σ_{k≤m} (Π_{i=k+1..m} λ_i) ρ^sub_k(β_{k−1})`` with
@@ -31,7 +32,7 @@ Perturbation budgets β (docs/taylor.md §8). On the residual stream
   dimension; eigvalsh), ``λ_i`` a sound bound on sub-block ``i``'s Jacobian
   norm at the clean point and ``ρ^sub_k`` its remainder's norm. In a
   lipschitz model the ReLU units that can flip are carried exactly instead,
-  as *symbols* (:mod:`lipvit.certify.symbols`, docs/taylor.md §5):
+  as *symbols* (:mod:`lipvit.certify.taylor.symbols`, docs/taylor.md §5):
   ``β_m`` gains the norm of their box's per-coordinate reach and each later
   unit's budget ``Σ_i |G_{z,i}| ρ_i``, with exact coefficients;
 * **Lipschitz**: from the sub-block's input budget alone, ``β_mid ≤ λβ +
@@ -60,17 +61,19 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-from lipvit.certify import jet_vit
 from lipvit.certify.certification import certified_radius, falsi_radius, float64_model
 from lipvit.certify.eps import eps_per_sample
-from lipvit.certify.linearized import Linearized
 from lipvit.certify.local import (
     gelu_mlp_local_lipschitz,
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
 )
-from lipvit.certify.network import network_bound
-from lipvit.certify.remainders import (
+from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.taylor import margin_jets
+from lipvit.certify.taylor.forward import SITES, Record, check_supported, forward
+from lipvit.certify.taylor.jacobian_norms import JacobianNorms, jacobian_norms, jets_fit
+from lipvit.certify.taylor.linearized import Linearized
+from lipvit.certify.taylor.remainders import (
     ImagePart,
     RadialSplit,
     TokenRemainder,
@@ -85,28 +88,24 @@ from lipvit.certify.remainders import (
     layer_project_split,
     layernorm_curvature,
 )
-from lipvit.certify.second_order import quadratic_coefficient, second_order_remainder
-from lipvit.certify.sites import (
-    SITES,
-    JacobianNorms,
-    MarginGradients,
-    Record,
-    SubBlockNorms,
-    check_supported,
-    forward,
-    jacobian_norms,
-    site_gradients,
-    subblock_norms,
+from lipvit.certify.taylor.second_order import (
+    quadratic_coefficient,
+    second_order_remainder,
 )
-from lipvit.certify.subblock import subblock_bound, with_softmax_gains
-from lipvit.certify.symbols import (
+from lipvit.certify.taylor.sites import MarginGradients, site_gradients
+from lipvit.certify.taylor.subblock import (
+    SubBlockNorms,
+    subblock_bound,
+    subblock_norms,
+    with_softmax_gains,
+)
+from lipvit.certify.taylor.symbols import (
     Carried,
     default_max_symbols,
     flip_range,
     propagate,
     propagate_radial,
 )
-from lipvit.certify.tangents import jets_fit
 from torch import Tensor
 
 from lipvit.layers import LayerProject
@@ -156,7 +155,7 @@ def _attention_gains(
 ) -> AttentionGains:
     """:class:`AttentionGains` of block ``k``: the product bounds, or the exact
     norms where :func:`subblock_norms` ran and ``structured`` (a bound on the
-    sub-block's norm, :func:`~lipvit.certify.subblock.subblock_bound`) where
+    sub-block's norm, :func:`~lipvit.certify.taylor.subblock.subblock_bound`) where
     they are smaller."""
     J_a = _tighter(attention_jacobian_norm(terms), exact, "bare", k)
     lam = torch.minimum(_tighter(1 + J_a * L_N, exact, "attn", k), structured)
@@ -351,7 +350,8 @@ directions) ↦ BlockStep``; a lipschitz block adds its ReLU symbols to the
 
 def _unknown(exact: SubBlockNorms | None, k: int) -> bool:
     """Whether block ``k``'s exact attention sub-block norm is missing (above
-    :data:`~lipvit.certify.sites.EXACT_MAX`), so that its structured bound counts."""
+    :data:`~lipvit.certify.taylor.subblock.EXACT_MAX`), so that its structured bound
+    counts."""
     return exact is None or not bool(torch.isfinite(exact.attn[:, k]).all())
 
 
@@ -368,7 +368,8 @@ def _lipschitz_block(
     exact: SubBlockNorms | None, max_symbols: int, lin: Linearized,
 ) -> BlockFn:
     """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7);
-    the ReLU units that can flip become symbols (:mod:`lipvit.certify.symbols`)."""
+    the ReLU units that can flip become symbols
+    (:mod:`lipvit.certify.taylor.symbols`)."""
     block = model.blocks[k]
     X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
     P1, P2 = block.norm1, block.norm2
@@ -696,14 +697,14 @@ def taylor_bound(
     evaluate lazily, and a later change to ``model`` (training, ``.cuda()``,
     ``.eval()``) must not reach them, nor does this set ``model``'s mode.
     ``max_symbols``: ReLU symbols per sample and block of a lipschitz model
-    (:func:`lipvit.certify.symbols.propagate`; more is tighter and slower;
-    default :func:`~lipvit.certify.symbols.default_max_symbols` of the image
+    (:func:`lipvit.certify.taylor.symbols.propagate`; more is tighter and slower;
+    default :func:`~lipvit.certify.taylor.symbols.default_max_symbols` of the image
     dimension).
     ``max_memory``: bytes of tangents held at once by the Jacobian norms
-    (:func:`lipvit.certify.tangents.plan`; default
-    :func:`~lipvit.certify.tangents.default_max_memory`); the second-order
+    (:func:`lipvit.certify.taylor.jacobian_norms.plan`; default
+    :func:`~lipvit.certify.memory.default_max_memory`); the second-order
     Taylor models are built only where they fit in it
-    (:func:`~lipvit.certify.tangents.jets_fit`).
+    (:func:`~lipvit.certify.taylor.jacobian_norms.jets_fit`).
 
     Raises:
         UnsupportedModelError: a layer the method cannot bound (one-line reason).
@@ -713,49 +714,78 @@ def taylor_bound(
         max_symbols = default_max_symbols(x[0].numel())
     elif max_symbols < 0:
         raise ValueError(f"max_symbols must be >= 0, got {max_symbols}")
-    model = float64_model(model)  # the bound's own copy: see the docstring
-    x = x.to(torch.float64)
-    y = y.to(x.device)
-    chain = network_bound(model, x, "lofast")
-    with torch.no_grad():
-        grads = site_gradients(model, x, y)
-        g_x, g_sites, clean, logits = grads.x, grads.sites, grads.clean, grads.logits
+    point = _CleanPoint(float64_model(model),  # the bound's own copy: see above
+                        x.to(torch.float64), y, max_symbols, max_memory)
+    return TaylorBound(
+        point.margins,
+        point.masked(point.grad_norm),
+        point.jn,
+        point.remainders,
+        point.walk,
+        point.chain.delta_out,
+        point.functional,
+        point.chords,
+    )
+
+
+class _CleanPoint:
+    """What the certificate computes once at the clean points (the margins,
+    their gradients at every site, the Jacobian norms from the image, each
+    block's remainder step), and its stages at an ε ``(B,)``, one method
+    each: :meth:`run` (the budgets, block after block), :meth:`box` (every
+    site's share), :meth:`remainders` (the remainder parts: box, chords,
+    second-order models), :meth:`walk`, :meth:`functional`, :meth:`chords`."""
+
+    @torch.no_grad()
+    def __init__(self, model: ViT, x: Tensor, y: Tensor, max_symbols: int,
+                 max_memory: int | None):
+        y = y.to(x.device)
+        self.model, self.x, self.y = model, x, y
+        self.chain = network_bound(model, x, "lofast")
+        self.grads = site_gradients(model, x, y)
+        clean, logits = self.grads.clean, self.grads.logits
         lin = Linearized(model, x)  # the clean points, the batch at once
-        jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin)
+        self.jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin)
         exact = subblock_norms(model, clean)
         B, K = logits.shape
-        wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
-        wrong[torch.arange(B), y] = False
+        self.wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
+        self.wrong[torch.arange(B), y] = False
         margins = logits.gather(1, y[:, None]) - logits  # (B, K)
-        margins = torch.where(wrong, margins, torch.full_like(margins, math.inf))
-        grad_norm = torch.linalg.vector_norm(g_x.flatten(2), dim=-1)  # (B, K)
+        self.margins = torch.where(self.wrong, margins,
+                                   torch.full_like(margins, math.inf))
+        self.grad_norm = torch.linalg.vector_norm(self.grads.x.flatten(2), dim=-1)
         make = (
             partial(_lipschitz_block, max_symbols=max_symbols, lin=lin)
             if model.config.family == "lipschitz"
             else _standard_block
         )
         terms = [with_softmax_gains(block, clean.attn_in[k], t) for k, (block, t)
-                 in enumerate(zip(model.blocks, chain.attention_terms, strict=True))]
-        blocks = [make(model, k, clean, t, jn, exact) for k, t in enumerate(terms)]
+                 in enumerate(zip(model.blocks, self.chain.attention_terms,
+                                  strict=True))]
+        self.blocks = [make(model, k, clean, t, self.jn, exact)
+                       for k, t in enumerate(terms)]
         # The margins' second-order Taylor models (§12), where they apply:
         # built at the first remainder query (walks and functionals need none).
-        with_jets, jet = jets_fit(model, max_memory), []
-        final = _final_site(model, clean.stream[-1][:, 0], g_sites[(-1, "norm")])
+        self.with_jets, self.jets = jets_fit(model, max_memory), []
+        self.final = _final_site(model, clean.stream[-1][:, 0],
+                                 self.grads.sites[(-1, "norm")])
         # Blocks whose Frobenius norm1 projects some sample (§3, direction-aware).
-        frobenius = [k for k, block in enumerate(model.blocks)
-                     if isinstance(block.norm1, LayerProject)
-                     and block.norm1.mode != "token"
-                     and bool((_projected_norms(clean.stream[2 * k], "frobenius")
-                               >= block.norm1.radius).any())]
+        self.frobenius = [
+            k for k, block in enumerate(model.blocks)
+            if isinstance(block.norm1, LayerProject) and block.norm1.mode != "token"
+            and bool((_projected_norms(clean.stream[2 * k], "frobenius")
+                      >= block.norm1.radius).any())]
 
-    def run(e: Tensor) -> tuple[list[BlockStep], list[Budget], Tensor]:
+    def run(self, e: Tensor) -> tuple[list[BlockStep], list[Budget], Tensor]:
         """Every block's step, the stream budgets and the class token's budget."""
-        trace = chain.trace(e)  # (B, steps+1, 2): rows 2.. are the stream states
-        sym = Carried.zeros(clean)
+        jn = self.jn
+        trace = self.chain.trace(e)  # (B, steps+1, 2): rows 2.. are the stream states
+        sym = Carried.zeros(self.grads.clean)
         budget = _budget(e, jn, sym, 0, torch.zeros_like(e), trace[:, 2, 0])
         budgets, steps = [budget], []
-        for k, step in enumerate(blocks):
-            dirs = _directions(e, list(steps), grads, k) if k in frobenius else None
+        for k, step in enumerate(self.blocks):
+            dirs = (_directions(e, list(steps), self.grads, k)
+                    if k in self.frobenius else None)
             res = step(e, budget, trace[:, 3 + 2 * k, 0], trace[:, 4 + 2 * k, 0], sym,
                        dirs)
             budgets += [res.mid, res.out]
@@ -763,59 +793,56 @@ def taylor_bound(
             steps.append(res)
         cls = torch.minimum(jn.cls * e + sym.cls() + budget.acc_token[:, 0],
                             budget.token[:, 0])
-        return steps, budgets, torch.minimum(cls, trace[:, 2 + 2 * len(blocks), 1])
+        return steps, budgets, torch.minimum(cls, trace[:, 2 + 2 * len(steps), 1])
 
-    def masked(t: Tensor) -> Tensor:
-        return torch.where(wrong, t, torch.zeros_like(t))
+    def masked(self, t: Tensor) -> Tensor:
+        """``t`` ``(B, K)`` with the true classes' entries zero."""
+        return torch.where(self.wrong, t, torch.zeros_like(t))
 
-    def box(steps: list[BlockStep], cls: Tensor) -> dict[str, Tensor]:
+    def box(self, steps: list[BlockStep], cls: Tensor) -> dict[str, Tensor]:
         """Every site's share with the clean margin gradients (``|g_⊥ᵀΓ|`` by
         norm: the chord bound, which the certificate also takes, bounds it as a
         functional)."""
+        g = self.grads.sites
         sites = {f"block{k}.{n}": v for k, res in enumerate(steps)
-                 for n, v in res.shares(_block_sites(g_sites, k), False).items()}
-        return {**sites, "norm": final(cls)}
+                 for n, v in res.shares(_block_sites(g, k), False).items()}
+        return {**sites, "norm": self.final(cls)}
 
-    def walk(e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
+    def walk(self, e: Tensor) -> tuple[dict[str, Tensor], list[Budget], Tensor]:
         """Site shares, stream budgets and the class token's budget at ε ``(B,)``."""
-        steps, budgets, cls = run(e)
-        return {n: masked(v) for n, v in box(steps, cls).items()}, budgets, cls
+        steps, budgets, cls = self.run(e)
+        shares = {n: self.masked(v) for n, v in self.box(steps, cls).items()}
+        return shares, budgets, cls
 
-    def remainders(e: Tensor) -> dict[str, Tensor]:
-        steps, _, cls = run(e)
-        out = {"box": sum(box(steps, cls).values())}
-        if with_jets:
-            if not jet:
-                jet.extend(jet_vit.JetMargins(model, xb, int(yb))
-                           for xb, yb in zip(x, y, strict=True))
-            drops = torch.stack([m.drop(eb) for m, eb in zip(jet, e, strict=True)])
-            out["jet"] = drops - grad_norm * e[:, None]  # (B, K)
+    def remainders(self, e: Tensor) -> dict[str, Tensor]:
+        """The remainder parts at ε ``(B,)``, each a bound on its own ``(B, K)``:
+        ``box``, ``jet`` (a standard model's second-order models, where they
+        fit) and ``chord`` (a lipschitz model's ReLU chords)."""
+        steps, _, cls = self.run(e)
+        out = {"box": sum(self.box(steps, cls).values())}
+        first = self.grad_norm * e[:, None]
+        if self.with_jets:
+            if not self.jets:
+                self.jets.extend(margin_jets.JetMargins(self.model, xb, int(yb))
+                                 for xb, yb in zip(self.x, self.y, strict=True))
+            drops = torch.stack([m.drop(eb) for m, eb in zip(self.jets, e,
+                                                            strict=True)])
+            out["jet"] = drops - first  # (B, K)
         if steps[0].chord is not None:
-            out["chord"] = (
-                _chord_bound(e, steps, Weights(g_x, g_sites), grads, deep=True)
-                + final(cls)
-                - grad_norm * e[:, None]
-            )
-        return {name: masked(v) for name, v in out.items()}
+            weights = Weights(self.grads.x, self.grads.sites)
+            out["chord"] = (_chord_bound(e, steps, weights, self.grads, deep=True)
+                            + self.final(cls) - first)
+        return {name: self.masked(v) for name, v in out.items()}
 
-    def functional(e: Tensor, k: int, v: Tensor) -> Tensor:
-        steps, _, _ = run(e)
-        v = v.to(x)[:, None].expand(-1, K, -1, -1)  # one copy per class
-        return _stream_bound(e, steps[:k], grads, k, v)[:, 0]
+    def functional(self, e: Tensor, k: int, v: Tensor) -> Tensor:
+        """An upper bound ``(B,)`` on ``|⟨v, Γ_{2k}⟩|`` at ε ``(B,)``."""
+        steps, _, _ = self.run(e)
+        v = v.to(self.x)[:, None].expand(-1, self.margins.shape[1], -1, -1)  # a copy
+        return _stream_bound(e, steps[:k], self.grads, k, v)[:, 0]  # per class
 
-    def chords(e: Tensor) -> list[Chord]:
-        return [res.chord for res in run(e)[0] if res.chord is not None]
-
-    return TaylorBound(
-        margins,
-        torch.where(wrong, grad_norm, torch.zeros_like(grad_norm)),
-        jn,
-        remainders,
-        walk,
-        chain.delta_out,
-        functional,
-        chords,
-    )
+    def chords(self, e: Tensor) -> list[Chord]:
+        """Each lipschitz block's ReLU units at ε ``(B,)``."""
+        return [res.chord for res in self.run(e)[0] if res.chord is not None]
 
 
 def _block_sites(g: dict[tuple[int, str], Tensor], k: int) -> dict[str, Tensor]:

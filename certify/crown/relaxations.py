@@ -1,10 +1,11 @@
 """Sound linear relaxations of the standard family's GELU and LayerNorm (ours).
 
 auto_LiRPA 0.3 has no bound for ``erf`` and an unsound one for ``Sqrt``
-(:mod:`lipvit.certify.crown`), so the standard family's two nonlinear
+(:mod:`lipvit.certify.crown.bounds`), so the standard family's two nonlinear
 operators are written as operators of our own
-(:class:`lipvit.certify.verifiable.GELU`, :class:`~lipvit.certify.verifiable.RSqrt`)
-with the relaxations below (docs/certificates.md, "`crown` and the cascades").
+(:class:`lipvit.certify.crown.verifiable.GELU`,
+:class:`~lipvit.certify.crown.verifiable.RSqrt`) with the relaxations below
+(docs/certificates.md, "`crown` and the cascades").
 
 **GELU** ``g(x) = ½x(1 + erf(x/√2)) = xΦ(x)`` on ``[l, u]``: both lines have the
 chord's slope ``k`` and the intercepts ``min`` and ``max`` of ``h(x) = g(x) − kx``

@@ -1,6 +1,6 @@
 """The softmax path through a token-wise norm: ``‖S J_N‖`` by a weighted factorisation.
 
-The attention sub-block's structured bound (:mod:`lipvit.certify.subblock`)
+The attention sub-block's structured bound (:mod:`lipvit.certify.taylor.subblock`)
 bounds its softmax path through the norm, ``‖S J_N‖``, by ``max_r R_r ‖M‖
 ‖J_N‖``: 7–20× the exact norm on two points of a standard Fashion-MNIST
 model (docs/taylor.md §8), where a LayerNorm's ``1/s_t`` is large on the
@@ -28,10 +28,9 @@ from typing import NamedTuple
 
 import torch
 from lipvit.certify.attention import value_output
-from lipvit.certify.tangents import top_root
 from torch import Tensor
 
-from lipvit.spectral import seeded_start, spectral_norm
+from lipvit.spectral import seeded_start, spectral_norm, top_root
 
 WEIGHT_STEPS = 40
 """Descent steps on the weights (any weights give a sound bound; the steps
@@ -46,7 +45,7 @@ _POWER = 2
 
 _SLACK = 1e-10
 """Relative margin on the ``D × D`` Gram matrices' rounding (as
-:mod:`lipvit.certify.subblock`)."""
+:mod:`lipvit.certify.taylor.subblock`)."""
 
 _CHUNK_BYTES = 2**27
 """Largest ``(b, H, N, N, D)`` block of ``g`` held at once."""
