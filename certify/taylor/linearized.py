@@ -33,6 +33,7 @@ and memory stays at one stream state of ``c`` tangents.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from lipvit.certify.crown.relaxations import gelu_grad
 from lipvit.certify.taylor.forward import forward
-from torch import Tensor
+from torch import Tensor, nn
 
 from lipvit.layers import LayerProject
 from lipvit.model import ViT
@@ -107,6 +108,17 @@ class _Block:
     W1: Tensor  # (m, D)
     slope: Tensor  # (B, N, m): the activation's derivative at z
     out: Tensor  # lipschitz: (m, D) = 2 W/T; standard: fc2's (D, m) transposed
+    inputs: tuple[Tensor, Tensor]  # (B, N, D) ×2: the norms' clean inputs
+    norms: tuple[nn.Module, nn.Module]  # the block's norm1, norm2
+
+    def take(self, index: Tensor) -> _Block:
+        """The samples ``index`` ``(b,)`` of the batch."""
+        X, X_mid = (t[index] for t in self.inputs)
+        return replace(self, norm1=_norm_tangent(self.norms[0], X),
+                       norm2=_norm_tangent(self.norms[1], X_mid),
+                       Q_t=self.Q_t[index], K_t=self.K_t[index], V=self.V[index],
+                       P=self.P[index], PV=self.PV[index], slope=self.slope[index],
+                       inputs=(X, X_mid))
 
     def sample(self, b: int) -> _Block:
         """Sample ``b``'s attention data, without the batch axis (the norms'
@@ -159,7 +171,16 @@ class Linearized:
         scale = 1 / math.sqrt(d)
         return _Block(_norm_tangent(block.norm1, X), _norm_tangent(block.norm2, X_mid),
                       W_qkv, W_o.reshape(H * d, D), (Q * scale).transpose(-1, -2),
-                      (K * scale).transpose(-1, -2), V, P, P @ V, W1, slope, out)
+                      (K * scale).transpose(-1, -2), V, P, P @ V, W1, slope, out,
+                      (X, X_mid), (block.norm1, block.norm2))
+
+    def take(self, index: Tensor) -> Linearized:
+        """The same linearisation restricted to the samples ``index`` ``(b,)``
+        (a push then serves only them)."""
+        sub = copy.copy(self)
+        sub.blocks = [b.take(index) for b in self.blocks]
+        sub.batch = len(index)
+        return sub
 
     @torch.no_grad()
     def embed(self, T: Tensor) -> Tensor:

@@ -157,7 +157,8 @@ def propagate(
 
     Every sample's symbols are pushed together, ``chunk`` per sample and push
     (slot ``j`` of a push holds each sample's ``j``-th symbol of the chunk; a
-    sample with fewer fills its slots with zero columns, ``ρ = 0``).
+    sample with fewer fills its slots with zero columns, ``ρ = 0``; a sample
+    with none sits out).
 
     Args:
         model: the lipschitz-family ViT (SLL blocks), float64.
@@ -184,23 +185,25 @@ def propagate(
         (tail * c_norm).sum(-1),
         spectral_norm(column) * torch.linalg.vector_norm(tail, dim=-1),
     )  # (B, N)
-    flat = chosen.flatten(1)  # (B, N·m)
-    count = flat.sum(1)  # (B,): each sample's symbols
-    S = int(count.max()) if flat.numel() else 0
+    count = chosen.flatten(1).sum(1)  # (B,): each sample's symbols
+    rows = count.nonzero()[:, 0]  # the samples with any: the others sit out
+    flat = chosen.flatten(1)[rows]  # (b, N·m)
+    S = int(count.max()) if len(rows) else 0
     # Each sample's chosen units first, in (token, unit) order.
     order = torch.sort((~flat).to(torch.uint8), dim=1, stable=True).indices[:, :S]
-    valid = torch.arange(S, device=rho.device) < count[:, None]  # (B, S)
-    r = torch.where(valid, rho.flatten(1).gather(1, order), 0.0)  # (B, S)
-    B, m = rho.shape[0], rho.shape[-1]
-    b = torch.arange(B, device=rho.device)[:, None]
+    valid = torch.arange(S, device=rho.device) < count[rows, None]  # (b, S)
+    r = torch.where(valid, rho.flatten(1)[rows].gather(1, order), 0.0)  # (b, S)
+    m = rho.shape[-1]
+    sub = lin if len(rows) == lin.batch else lin.take(rows)
+    b = torch.arange(len(rows), device=rho.device)[:, None]
     step = chunk or push_size(lin)
     for start in range(0, S, step):
         part = slice(start, start + step)
-        t, i, ok = order[:, part] // m, order[:, part] % m, valid[:, part]  # (B, s)
-        T0 = rho.new_zeros(B, t.shape[1], *lin.shape)  # (B, s, N, D)
+        t, i, ok = order[:, part] // m, order[:, part] % m, valid[:, part]  # (b, s)
+        T0 = rho.new_zeros(len(rows), t.shape[1], *lin.shape)  # (b, s, N, D)
         slot = torch.arange(t.shape[1], device=rho.device)
         T0[b, slot, t] = column[i] * ok[..., None]
-        lin.push(T0, k + 1, _Carry(carried, r[:, part]))
+        sub.push(T0, k + 1, _Carry(carried, r[:, part], rows))
     return torch.linalg.vector_norm(tau, dim=-1)
 
 
@@ -228,36 +231,45 @@ def propagate_radial(
         chunk: symbols per sample and push (default: :func:`push_size`).
     """
     X = clean.stream[2 * k] if site == "norm1" else clean.stream[2 * k + 1]
+    rows = (s > 0).any(1).nonzero()[:, 0]  # the samples with a symbol
+    s, X = s[rows], X[rows]
+    sub = lin if len(rows) == lin.batch else lin.take(rows)
     vec = (s > 0).any(0).nonzero()[:, 0]  # the vectors with a symbol somewhere
     for t in vec.split(chunk or push_size(lin)) if len(vec) else ():
         if s.shape[1] == 1:  # the whole token matrix
             x_hat = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True)
-            U = -x_hat[:, None].expand(-1, len(t), -1, -1)  # (B, 1, N, D)
+            U = -x_hat[:, None].expand(-1, len(t), -1, -1)  # (b, 1, N, D)
         else:
-            U = X.new_zeros(X.shape[0], len(t), *lin.shape)  # (B, S, N, D)
-            x_t = X[:, t]  # (B, S, D)
-            rows = torch.arange(len(t), device=U.device)
-            U[:, rows, t] = -x_t / torch.linalg.vector_norm(x_t, dim=-1, keepdim=True)
-        lin.push(torch.zeros_like(U), k, _Carry(carried, s[:, t]), inject=(site, U))
+            U = X.new_zeros(X.shape[0], len(t), *lin.shape)  # (b, S, N, D)
+            x_t = X[:, t]  # (b, S, D)
+            slot = torch.arange(len(t), device=U.device)
+            U[:, slot, t] = -x_t / torch.linalg.vector_norm(x_t, dim=-1, keepdim=True)
+        sub.push(torch.zeros_like(U), k, _Carry(carried, s[:, t], rows),
+                 inject=(site, U))
 
 
 class _Carry:
-    """A push's visitor adding symbols ``r_j ∈ [0, ρ_j]`` (``rho`` ``(B, S)``, one
-    per sample and tangent) to ``carried``: the centre ``Σ_j G_j ρ_j/2``, the
-    spread ``Σ_j |G_j| ρ_j/2`` and, at pre-activations, ``Σ_j G⁺_j ρ_j`` and
-    ``Σ_j G⁻_j ρ_j``."""
+    """A push's visitor adding symbols ``r_j ∈ [0, ρ_j]`` (``rho`` ``(b, S)``, one
+    per sample and tangent) of the batch's samples ``rows`` ``(b,)`` to
+    ``carried``: the centre ``Σ_j G_j ρ_j/2``, the spread ``Σ_j |G_j| ρ_j/2``
+    and, at pre-activations, ``Σ_j G⁺_j ρ_j`` and ``Σ_j G⁻_j ρ_j``."""
 
-    def __init__(self, carried: Carried, rho: Tensor):
-        self.carried, self.rho, self.h = carried, rho, rho / 2
+    def __init__(self, carried: Carried, rho: Tensor, rows: Tensor):
+        self.carried, self.rho, self.h, self.rows = carried, rho, rho / 2, rows
 
     def __call__(self, kind: str, i: int, T: Tensor) -> None:
-        c = self.carried
+        c, rows = self.carried, self.rows
         if kind == "stream":
-            c.centre[i] += torch.einsum("bs,bsnd->bnd", self.h, T)
-            c.spread[i] += torch.einsum("bs,bsnd->bnd", self.h, T.abs())
+            c.centre[i].index_add_(0, rows, torch.einsum("bs,bsnd->bnd", self.h, T))
+            c.spread[i].index_add_(0, rows,
+                                   torch.einsum("bs,bsnd->bnd", self.h, T.abs()))
         elif kind == "attn_in":
-            c.attn_centre[i] += torch.einsum("bs,bsnd->bnd", self.h, T)
-            c.attn_spread[i] += torch.einsum("bs,bsnd->bnd", self.h, T.abs())
+            c.attn_centre[i].index_add_(0, rows,
+                                        torch.einsum("bs,bsnd->bnd", self.h, T))
+            c.attn_spread[i].index_add_(0, rows,
+                                        torch.einsum("bs,bsnd->bnd", self.h, T.abs()))
         elif kind == "act_in":
-            c.up[i] += torch.einsum("bs,bsnm->bnm", self.rho, T.clamp_min(0))
-            c.down[i] += torch.einsum("bs,bsnm->bnm", self.rho, (-T).clamp_min(0))
+            c.up[i].index_add_(0, rows,
+                               torch.einsum("bs,bsnm->bnm", self.rho, T.clamp_min(0)))
+            c.down[i].index_add_(0, rows, torch.einsum("bs,bsnm->bnm", self.rho,
+                                                       (-T).clamp_min(0)))
