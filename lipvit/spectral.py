@@ -46,9 +46,11 @@ def seeded_start(shape: tuple[int, ...], dtype: torch.dtype,
     """Standard normal start vectors from a private seed-0 CPU generator, then moved
     to ``device``: the same start on every device (a CUDA generator draws other
     numbers), so a certificate on the GPU equals the CPU's up to rounding; the
-    global RNG is untouched."""
+    global RNG is untouched. ``shape[0]`` is a batch axis: every entry gets the
+    same start (a view), so that no sample's result depends on its batch."""
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(shape, generator=gen, dtype=dtype).to(device)
+    one = torch.randn((1, *shape[1:]), generator=gen, dtype=dtype).to(device)
+    return one.expand(shape)
 
 
 def _normalize(x: Tensor, ndim: int, eps: float = 1e-30) -> Tensor:

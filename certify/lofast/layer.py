@@ -345,8 +345,7 @@ def _key_sensitivity(
         return _certified_zeta(P, W_v, W_o, residual)
     est = _estimate(lambda G: sensitivity_matvec(G, P, W_v, W_o, residual),
                     lambda Y: sensitivity_rmatvec(Y, P, W_v, W_o, residual),
-                    seeded_start((1, N, D), P.dtype, P.device).expand(B, N, D),
-                    n_iter, tol)  # one start for every sample
+                    seeded_start((B, N, D), P.dtype, P.device), n_iter, tol)
     return NormBound(est.sigma, method, False)
 
 
@@ -406,8 +405,7 @@ def _certified_zeta(P: Tensor, W_v: Tensor, W_o: Tensor, residual: bool) -> Norm
     rnd = _sensitivity_rounding(P, W_vo, residual)
     if len(loose):
         Pl = P[loose]  # (L, H, N, N)
-        z0 = seeded_start((1, N, W_v.shape[1]), P.dtype, P.device).expand(
-            len(loose), -1, -1)  # one start for every sample
+        z0 = seeded_start((len(loose), N, W_v.shape[1]), P.dtype, P.device)
         est = _estimate(lambda G: sensitivity_matvec(G, Pl, W_v, W_o, residual),
                         lambda Y: sensitivity_rmatvec(Y, Pl, W_v, W_o, residual),
                         z0, 1000, 1e-10)
@@ -473,8 +471,7 @@ def _lemma2_norm(
                          f"structured bound √(λ_max(CᵀC+EᵀE)+2‖C‖‖E‖) (Gram size {n})",
                          True)
     est = _estimate(lambda G: lemma2_op(G, C, E), lambda Y: lemma2_op_adjoint(Y, C, E),
-                    seeded_start((1, *C.shape[1:]), X.dtype, X.device).expand(C.shape),
-                    n_iter, tol)  # one start for every sample
+                    seeded_start(C.shape, X.dtype, X.device), n_iter, tol)
     if not exact:
         return NormBound(est.sigma, method, False)
     rnd = _lemma2_rounding(C, E)  # scale (B, H)

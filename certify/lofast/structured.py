@@ -379,8 +379,7 @@ def _zeta_chunk(
     vecs = []
     if k > 0:
         P32, Wv32, Wo32 = P.float(), W_v.float(), W_o.float()
-        Z = seeded_start((1, k, N, D), torch.float32, P.device)
-        Z = Z.expand(B, k, N, D)  # the same start for every sample
+        Z = seeded_start((B, k, N, D), torch.float32, P.device)
         for _ in range(n_iter):
             Z = _centre(gram_apply(_orthonormal(_centre(Z)), P32, Wv32, Wo32, residual))
         vecs = [_orthonormal(_centre(Z.double()))]

@@ -175,8 +175,11 @@ class Linearized:
                       (X, X_mid), (block.norm1, block.norm2))
 
     def take(self, index: Tensor) -> Linearized:
-        """The same linearisation restricted to the samples ``index`` ``(b,)``
-        (a push then serves only them)."""
+        """The same linearisation restricted to the samples ``index`` ``(b,)``,
+        distinct and in order (a push then serves only them); itself where
+        they are all of them."""
+        if len(index) == self.batch:
+            return self
         sub = copy.copy(self)
         sub.blocks = [b.take(index) for b in self.blocks]
         sub.batch = len(index)

@@ -140,7 +140,7 @@ def descend(f: SoftmaxFactors, lw: Tensor, lv: Tensor,
     # A seeded start, the same for every sample: a constant one lies in the
     # kernel of a LayerNorm's Jacobian (J 1 = 0), where the iteration only
     # amplifies rounding.
-    x = seeded_start((1, N, D), f.Q.dtype, f.Q.device).expand(B, N, D)
+    x = seeded_start((B, N, D), f.Q.dtype, f.Q.device)
     x = x / _norm(x, torch.finfo(x.dtype).tiny)
     y = x.clone()
     with torch.no_grad():

@@ -185,16 +185,17 @@ def propagate(
         (tail * c_norm).sum(-1),
         spectral_norm(column) * torch.linalg.vector_norm(tail, dim=-1),
     )  # (B, N)
-    count = chosen.flatten(1).sum(1)  # (B,): each sample's symbols
+    flat = chosen.flatten(1)  # (B, N·m)
+    count = flat.sum(1)  # (B,): each sample's symbols
     rows = count.nonzero()[:, 0]  # the samples with any: the others sit out
-    flat = chosen.flatten(1)[rows]  # (b, N·m)
+    flat = flat[rows]  # (b, N·m)
     S = int(count.max()) if len(rows) else 0
     # Each sample's chosen units first, in (token, unit) order.
     order = torch.sort((~flat).to(torch.uint8), dim=1, stable=True).indices[:, :S]
     valid = torch.arange(S, device=rho.device) < count[rows, None]  # (b, S)
     r = torch.where(valid, rho.flatten(1)[rows].gather(1, order), 0.0)  # (b, S)
     m = rho.shape[-1]
-    sub = lin if len(rows) == lin.batch else lin.take(rows)
+    sub = lin.take(rows)
     b = torch.arange(len(rows), device=rho.device)[:, None]
     step = chunk or push_size(lin)
     for start in range(0, S, step):
@@ -233,7 +234,7 @@ def propagate_radial(
     X = clean.stream[2 * k] if site == "norm1" else clean.stream[2 * k + 1]
     rows = (s > 0).any(1).nonzero()[:, 0]  # the samples with a symbol
     s, X = s[rows], X[rows]
-    sub = lin if len(rows) == lin.batch else lin.take(rows)
+    sub = lin.take(rows)
     vec = (s > 0).any(0).nonzero()[:, 0]  # the vectors with a symbol somewhere
     for t in vec.split(chunk or push_size(lin)) if len(vec) else ():
         if s.shape[1] == 1:  # the whole token matrix
