@@ -20,7 +20,7 @@ import math
 import time
 
 import torch
-from _points import float64_points
+from _points import float64_points, largest
 from lipvit.analysis.pgd import pgd_taylor_rest
 from lipvit.certify.taylor.margin_jets import JetMargins
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -32,13 +32,7 @@ def radius(jm: JetMargins, margins: torch.Tensor, wrong: torch.Tensor) -> float:
         drop = jm.drop(torch.tensor(e, dtype=margins.dtype))
         return bool((drop[wrong] < margins[wrong]).all())
 
-    lo, hi = 1e-6, 10.0
-    if not ok(lo):
-        return 0.0
-    while hi / lo > 1.001:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return largest(ok, 1e-6, 10.0, 1.001) or 0.0
 
 
 def main() -> None:
