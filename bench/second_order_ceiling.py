@@ -125,14 +125,13 @@ def main() -> None:
                 of_attack.append(c / a)
             print(f"{'':39} ceiling {c:.4f} = {c / (m / gn):.2f} × m/|g|"
                   + (f" = {c / a:.2f} × the attack radius {a:.4f}" if a else ""))
-            for s, _ in enumerate(streams(model, z0, xb.shape)):
-                def entry(z: torch.Tensor, s=s, u=None, shape=xb.shape) -> torch.Tensor:
-                    return streams(model, z, shape)[s].flatten()[u]
+            for s in range(2 * len(model.blocks)):
+                def cls(z: torch.Tensor, s=s, shape=xb.shape) -> torch.Tensor:
+                    return streams(model, z, shape)[s][0]  # (D,): the class token
 
-                J = jacrev(lambda z, s=s, shape=xb.shape:
-                           streams(model, z, shape)[s][0])(z0)  # (D, n): class token
+                J = jacrev(cls)(z0)  # (D, n)
                 for u in J.norm(dim=1).argsort(descending=True)[: args.elements]:
-                    Hu = jacfwd(jacrev(lambda z, s=s, u=int(u): entry(z, s, u)))(z0)
+                    Hu = jacfwd(jacrev(lambda z, cls=cls, u=int(u): cls(z)[u]))(z0)
                     Hu = 0.5 * (Hu + Hu.T)
                     lam = float(torch.linalg.eigvalsh(Hu).abs().max())
                     curv.setdefault(s, []).append((lam, float(Hu.norm()) / lam))
