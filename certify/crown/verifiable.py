@@ -138,10 +138,6 @@ def _copy_linear(fc: nn.Linear) -> nn.Linear:
     return _linear(fc.weight.detach(), None if fc.bias is None else fc.bias.detach())
 
 
-def _buffer(t: Tensor) -> Tensor:
-    return t.detach().clone()
-
-
 def _square(x: Tensor, two: Tensor) -> Tensor:
     """``x²`` elementwise, as ``pow(x, two)`` with ``two`` a buffer holding 2.
 
