@@ -5,14 +5,19 @@ from __future__ import annotations
 import math
 
 from lipvit.commands import _common as C
+from lipvit.errors import LipvitError
 
 
 def float64_points(path: str, n: int):
     """``(model, x, y, index)``: the checkpoint's model in float64 and eval mode,
     and its test points subsampled as ``lipvit certify --n`` does (``index``:
-    their positions in the test split)."""
-    ckpt = C.load_checkpoint(path)
-    data = C.load_test_set(ckpt, n=n)
+    their positions in the test split). A missing or unreadable checkpoint
+    or data set ends the bench with its one-line message."""
+    try:
+        ckpt = C.load_checkpoint(path)
+        data = C.load_test_set(ckpt, n=n)
+    except LipvitError as err:  # a missing or bad file: its message, no traceback
+        raise SystemExit(f"error: {err}") from None
     return ckpt.model.double().eval(), data.x.double(), data.y, list(data.index)
 
 
