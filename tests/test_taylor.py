@@ -1023,11 +1023,20 @@ def test_logit_jacobian_norms_are_exact(family):
             assert torch.allclose(jn.logits[b, k], exact, rtol=1e-9)
 
 
-@pytest.mark.parametrize("family", ["lipschitz", "standard"])
-def test_subblock_norms_are_exact(family):
+@pytest.mark.parametrize("family,project,push", [
+    ("lipschitz", "frobenius", None), ("lipschitz", "token", 2**17),
+    ("standard", None, None), ("standard", None, 2**20),
+])
+def test_subblock_norms_are_exact(family, project, push, monkeypatch):
+    """Against dense Jacobians: the attention sub-block's norm formed whole
+    (Frobenius projection) and from the bare attention's Jacobian (token-wise
+    norms), with the basis tangents pushed all at once and a few at a time."""
+    from lipvit.certify.taylor import subblock
     from lipvit.certify.taylor.subblock import subblock_norms
 
-    model = _model(family, 1)
+    if push is not None:
+        monkeypatch.setattr(subblock, "PUSH_BYTES", push)
+    model = _model(family, 1, **({"attn_project": project} if project else {}))
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         clean = forward(model, x)[1]

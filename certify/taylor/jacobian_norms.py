@@ -37,6 +37,7 @@ from lipvit.certify.taylor import margin_jets
 from lipvit.certify.taylor.linearized import CACHE_BYTES, Linearized
 from lipvit.certify.taylor.remainders import LogitVariance
 from lipvit.certify.taylor.second_order import attention_hessian_norm
+from lipvit.certify.taylor.subblock import dense_bytes
 from torch import Tensor
 
 from lipvit.model import ViT
@@ -139,7 +140,9 @@ def taylor_batch(model: ViT, max_memory: int | None, exact_max: int | None = Non
     (:func:`lipvit.certify.taylor.margin_jets.jet_bytes`) where one is built
     (:func:`jets_fit`), and its share of the batch's tangents
     (:func:`sample_bytes` of :func:`plan` with ``exact_max``, default
-    :data:`EXACT_GRAM_MAX`: the batch's samples are pushed together)."""
+    :data:`EXACT_GRAM_MAX`: the batch's samples are pushed together), after
+    the exact sub-block norms' working memory
+    (:func:`~lipvit.certify.taylor.subblock.dense_bytes`, one sample at a time)."""
     exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
     cfg = model.config
     N, D, H, m, K, _ = _sizes(model)
@@ -149,7 +152,7 @@ def taylor_batch(model: ViT, max_memory: int | None, exact_max: int | None = Non
     per_sample += sample_bytes(model, plan(model, exact_max, max_memory))
     if jets_fit(model, max_memory):
         per_sample += margin_jets.jet_bytes(model)
-    return max(1, memory_budget(max_memory) // per_sample)
+    return max(1, (memory_budget(max_memory) - dense_bytes(model)) // per_sample)
 
 
 def _bytes(model: ViT) -> tuple[int, int, int, int]:
@@ -390,7 +393,7 @@ def norms_of_batch(
     )
 
 
-EXACT_GRAM_MAX = 256
+EXACT_GRAM_MAX = 1024
 """Largest image dimension ``n`` for which :func:`jacobian_norms` computes the
 whole-matrix norms exactly, from the ``n × n`` Gram matrices of the stored
 tangents (memory ``n × activations``, cost ``n² × activations``); above it

@@ -256,12 +256,26 @@ def subblock_parts(block, X: Tensor, terms: LoFASTTerms,
 # Exact sub-block Jacobian norms (the explicitly exact small-size mode).
 # --------------------------------------------------------------------------
 
-EXACT_MAX = 1024
+EXACT_MAX = 4096
 """Largest token-matrix size ``N·D`` for which :func:`subblock_norms` forms a
 whole attention sub-block's ``(N·D) × (N·D)`` Jacobian (its cost grows as
-``(N·D)²`` per sample: about 0.25 s per sample at ``N·D = 544`` on one CPU
-core, 2.4 s at 1088); above it the certificate uses the product bounds for
-these two maps."""
+``(N·D)²`` per sample in memory and ``(N·D)³`` in time: about 0.25 s per
+sample at ``N·D = 544`` on one CPU core, 2.4 s at 1088, 14 s at 3200 — the
+Fashion-MNIST ``fmnist-3x64`` preset); above it the certificate uses the
+structured and product bounds for these two maps."""
+
+PUSH_BYTES = 2**28
+"""Bytes of forward-mode temporaries :func:`_transposed_jacobian` allows itself
+at once (it pushes as many basis tangents together as fit)."""
+
+
+def dense_bytes(model: ViT) -> int:
+    """Bytes :func:`subblock_norms` holds at once beyond the clean pass (one
+    sample at a time): the basis, two ``(N·D) × (N·D)`` Jacobians and a Gram
+    matrix, and :data:`PUSH_BYTES` of forward-mode temporaries; 0 above
+    :data:`EXACT_MAX`."""
+    n = (model.config.num_patches + 1) * model.config.embed_dim
+    return 8 * 4 * n * n + PUSH_BYTES if n <= EXACT_MAX else 0
 
 
 @dataclass(frozen=True)
@@ -294,15 +308,44 @@ class SubBlockNorms:
     into: list[Tensor]
 
 
-def _dense_norm(fn, X: Tensor, chunk: int = 8) -> Tensor:
-    """``‖Dfn(X_b)‖`` ``(B,)`` of a map of token matrices ``(B, N, D) → (B, N, D)``:
-    the whole ``(N·D) × (N·D)`` Jacobian (forward mode), ``chunk`` samples at a
-    time, and its norm by :func:`gram_norm`."""
-    n = X[0].numel()
-    jac = torch.func.vmap(torch.func.jacfwd(lambda s: fn(s[None])[0]))
+def _transposed_jacobian(fn, X: Tensor, heads: int) -> Tensor:
+    """``J(X)ᵀ`` ``(n, n')`` of a map of token matrices (batches ``(B, N, D)``
+    in and out) at one token matrix ``X`` ``(N, D)`` (``n = N·D`` inputs,
+    ``n'`` outputs): row ``i`` is the output tangent of the basis tangent
+    ``e_i`` (forward mode, as many tangents at a time as :data:`PUSH_BYTES`
+    holds, counting sixteen float64 temporaries of ``heads·N² + N·D``
+    entries per tangent: an attention's)."""
+    n = X.numel()
+    per_tangent = 8 * 16 * (heads * X.shape[0] ** 2 + n)
+    E = torch.eye(n, dtype=X.dtype, device=X.device).reshape(n, *X.shape)
+
+    def push(t: Tensor) -> Tensor:
+        return torch.func.jvp(lambda s: fn(s[None])[0], (X,), (t,))[1].reshape(-1)
+
+    chunk = max(1, min(n, PUSH_BYTES // per_tangent))
     with torch.no_grad():
-        return torch.cat([gram_norm(jac(Xc).reshape(-1, n, n))
-                          for Xc in X.split(chunk)])
+        return torch.func.vmap(push, chunk_size=chunk)(E)
+
+
+def _attention_norms(block, X: Tensor, P: Tensor, token_wise: bool
+                     ) -> tuple[Tensor, Tensor]:
+    """``(‖D(s ↦ s + attn(norm1(s)))(X)‖, ‖D attn(P)‖)`` for one sample, ``X``
+    its block input ``(N, D)`` and ``P = norm1(X)``, both rounded up
+    (:func:`gram_norm`). The bare attention's Jacobian is formed once and the
+    sub-block's follows from it, ``(I + J_a J_N)ᵀ = I + J_Nᵀ J_aᵀ``, with
+    ``J_N`` block diagonal (``D × D`` per token) where ``norm1`` is token-wise
+    (a LayerNorm, a per-token LayerProject) and dense otherwise."""
+    H = block.attn.num_heads
+    T_a = _transposed_jacobian(partial(explicit_attention, block.attn), P, H)  # (n, n)
+    if token_wise:
+        N, D = X.shape
+        T_N = _token_tangents(block.norm1, X[None])[0]  # (N, D, D): J_N,tᵀ per token
+        T_w = torch.einsum("tde,tef->tdf", T_N, T_a.reshape(N, D, -1))
+        T_w = T_w.reshape(N * D, -1) + torch.eye(N * D, dtype=X.dtype, device=X.device)
+    else:  # a Frobenius LayerProject: J_N dense, a cheap map to push
+        T_w = _transposed_jacobian(block.norm1, X, H) @ T_a
+        T_w = T_w + torch.eye(X.numel(), dtype=X.dtype, device=X.device)
+    return gram_norm(T_w), gram_norm(T_a)
 
 
 def _token_tangents(fn, X: Tensor) -> Tensor:
@@ -327,15 +370,20 @@ def subblock_norms(
     certificate then keeps its product bounds)."""
     X0 = clean.stream[0]
     whole = X0[0].numel() <= (EXACT_MAX if max_size is None else max_size)
+    token_wise = (model.config.family == "standard"
+                  or model.config.attn_project == "token")
     inf = torch.full(X0.shape[:1], math.inf, dtype=X0.dtype, device=X0.device)
     attn, bare, mlp, unit, ffn, into = [], [], [], [], [], []
     for k, block in enumerate(model.blocks):
         X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
-        attn.append(_dense_norm(
-            lambda s, b=block: s + explicit_attention(b.attn, b.norm1(s)), X)
-            if whole else inf)
-        bare.append(_dense_norm(partial(explicit_attention, block.attn),
-                                clean.attn_in[k]) if whole else inf)
+        if whole:
+            pairs = [_attention_norms(block, Xb, Pb, token_wise)
+                     for Xb, Pb in zip(X, clean.attn_in[k], strict=True)]
+            attn.append(torch.stack([a for a, _ in pairs]))
+            bare.append(torch.stack([b for _, b in pairs]))
+        else:
+            attn.append(inf)
+            bare.append(inf)
         if model.config.family == "lipschitz":
             ff = lambda s, b=block: b.mlp(b.norm2(s))  # noqa: E731
         else:
