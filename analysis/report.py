@@ -56,17 +56,23 @@ def method_caption(methods: Iterable[str]) -> str:
 
 
 
-def hybrid_sentence(hybrid: Mapping[str, Any]) -> str:
-    """What the lipschitz model's summary says of the hybrid ViT: its proven
-    global constant and each attention block's logit spread."""
+def proven_sentence(proven: Mapping[str, Any]) -> str:
+    """What the lipschitz model's summary says of a hybrid ViT or CaiT: its
+    proven global constant, each attention block's logit spread and (newer
+    summaries) its accuracy without attention."""
+    name = {"cait": "CaiT"}.get(proven.get("arch", "hybrid"), "the hybrid ViT")
     blocks = "; ".join(
         f"block {i}: logit spread {a['total']:.2f} (content {a['content']:.2f}, "
         f"positional {a['positional']:.2f}), gate g = {a['gate']:.3f}, "
-        f"L_A = {a['lipschitz']:.2f}" for i, a in enumerate(hybrid["attention"]))
-    return (f"The lipschitz model is the hybrid ViT (docs/math.md §9): proven global "
-            f"constant L = {hybrid['global_constant']:.4f}; mean attention logit "
-            f"spread per query on 1000 test images, {blocks}. It is certified by "
-            "`global` alone; the LoFAST tightness and CROWN steps do not apply.")
+        f"L_A = {a['lipschitz']:.2f}" for i, a in enumerate(proven["attention"]))
+    ablation = ("" if "ablated_accuracy" not in proven else
+                f" Accuracy on those images {proven['accuracy']:.3f}, with every "
+                f"attention term removed {proven['ablated_accuracy']:.3f}.")
+    return (f"The lipschitz model is {name} (docs/math.md §9): proven global "
+            f"constant L = {proven['global_constant']:.4f}; mean attention logit "
+            f"spread per query on 1000 test images, {blocks}.{ablation} It is "
+            "certified by `ball` and `global`; the LoFAST tightness and CROWN "
+            "steps do not apply.")
 
 def fmt(value: Any, digits: int = 4) -> str:
     """A table cell: floats with ``digits`` significant digits, ``None`` as ``–``."""
@@ -437,11 +443,12 @@ def pipeline_report(
     if summaries:
         rep.heading("Training")
         rep.table(TRAINING_HEADERS, training_rows(summaries))
-        hybrid = summaries.get("lipschitz", {}).get("hybrid")
+        lip = summaries.get("lipschitz", {})
+        proven = lip.get("proven", lip.get("hybrid"))
         rep.text(
             "σ_max: exact largest singular values (dense SVD) of every head's "
             "W_q, W_k, W_v."
-            + ("" if not hybrid else " " + hybrid_sentence(hybrid))
+            + ("" if not proven else " " + proven_sentence(proven))
         )
         _commands(rep, commands, [f"train/{n}" for n in summaries])
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from lipvit.certify.ball.network import BallCertificate
 from lipvit.certify.certification import (
     certified_margin,
     certified_radius,
@@ -27,18 +28,26 @@ from lipvit.certify.certification import (
     margin,
 )
 from lipvit.certify.eps import check_eps_list
-from lipvit.certify.global_bound import check_global, global_constant, global_radius
+from lipvit.certify.global_bound import (
+    check_global,
+    global_constant,
+    global_radius,
+    proven_chain,
+)
 from lipvit.certify.lofast.network import METHODS as BOUND_METHODS
 from lipvit.certify.lofast.network import network_bound
 from lipvit.certify.taylor.certificate import taylor_bound
 from lipvit.certify.taylor.jacobian_norms import taylor_batch
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 from lipvit.errors import UnsupportedModelError
 from lipvit.model import ViT
 
 ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "alpha-crown",
-                                "cascade", "cascade-taylor", "global")
+                                "cascade", "cascade-taylor", "global", "ball")
+PROVEN_METHODS = ("global", "ball")
+"""The methods of the architectures whose every map has a proven constant."""
 CASCADES = {"cascade": "lofast", "cascade-taylor": "taylor"}
 """Each cascade: its first method; CROWN runs on what that left uncertified."""
 LIRPA_METHODS = {"crown": "CROWN", "alpha-crown": "alpha-CROWN"}
@@ -60,6 +69,13 @@ QUANTITIES = {
                     "spectral norms, DFT bounds of the convolutions, the gated "
                     "attention's closed form; docs/math.md §9)",
         "certificate": "sound: every margin F_y - F_j exceeds eps L ||w_y - w_j||",
+    },
+    "ball": {
+        "constant": "upper bound: the attention blocks' local constants over the "
+                    "eps-ball (each capped by its global one; docs/math.md §10) "
+                    "times the other maps' proven constants",
+        "certificate": "sound: every margin F_y - F_j exceeds eps L(x, eps) "
+                       "||w_y - w_j||",
     },
 }
 """What each method's numbers are, for the JSON (methods not named: see ``exact``)."""
@@ -145,16 +161,19 @@ def _check(model, methods: Sequence[str], eps_list: Sequence[float]) -> None:
 
 def check_methods(model, methods: Sequence[str]) -> None:
     """Refuse, in one line (:class:`UnsupportedModelError`), a method that cannot
-    bound ``model``'s architecture: ``global`` needs a proven global constant
-    (the hybrid ViT), and every other method bounds :class:`ViT` only."""
-    if "global" in methods:
+    bound ``model``'s architecture: ``global`` and ``ball`` need proven
+    constants (the hybrid ViT, CaiT), and every other method bounds
+    :class:`ViT` only."""
+    if any(m in PROVEN_METHODS for m in methods):
         check_global(model)
-    if getattr(model.config, "arch", "vit") == "hybrid":
-        other = [m for m in methods if m != "global"]
+    arch = getattr(model.config, "arch", "vit")
+    if arch != "vit":
+        other = [m for m in methods if m not in PROVEN_METHODS]
         if other:
             raise UnsupportedModelError(
-                f"{other[0]} bounds lipvit's ViT architecture; this hybrid ViT is "
-                "certified by its proven global constant: use --method global"
+                f"{other[0]} bounds lipvit's ViT architecture; this model "
+                f"(arch {arch!r}) is certified by its proven constants: use "
+                "--method ball or global"
             )
 
 
@@ -188,6 +207,26 @@ def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, max_symbols, 
         certified.setdefault(f"taylor@{eps}", []).append(torch.cat(oks[eps]))
     if radius:
         radii.setdefault("taylor", []).append(torch.cat(rs))
+
+
+def _ball(chain, model, x, y, eps_list, radius, radius_tol, add, certified, radii
+          ) -> None:
+    """``ball`` on one batch: one entry per ε (and radius) for the batch."""
+    t0 = time.perf_counter()
+    cert = BallCertificate(chain, model, x, y)
+    add("ball", time.perf_counter() - t0)
+    decided = []
+    for eps in eps_list:
+        t0 = time.perf_counter()
+        ok = cert.certified(eps)
+        add(f"ball@{eps}", time.perf_counter() - t0)
+        certified.setdefault(f"ball@{eps}", []).append(ok)
+        decided.append((eps, ok))
+    if radius:
+        t0 = time.perf_counter()
+        radii.setdefault("ball", []).append(
+            cert.radius(rtol=radius_tol, certified_at=decided))
+        add("ball-radius", time.perf_counter() - t0)
 
 
 def certify_samples(
@@ -255,83 +294,95 @@ def certify_samples(
                                   + sum(c in methods for c in CASCADES))
     # of a sample, per unit of work
     share = 1.0 / (len(bound_methods) + use_taylor + crown_runs
-                   + ("global" in methods))
+                   + sum(m in methods for m in PROVEN_METHODS))
 
     def advance(samples: float) -> None:
         if progress is not None:
             progress(samples * share)
 
-    gc = None  # the global constant, computed once
-    if "global" in methods:
-        t0 = time.perf_counter()
-        gc = global_constant(model)
-        add("global", time.perf_counter() - t0)
-
-    crown = None  # one bounded model for the whole run
-    if crown_runs:
-        from lipvit.certify.crown.bounds import crown_model
-
-        crown = crown_model(model, x.device)
-
-    for sl in _batches(n, batch_size):
-        xb, yb = x[sl], y[sl]
-        with torch.no_grad():
-            logits = model(xb)
-        m = margin(logits, yb)
-        m_cert = certified_margin(logits, yb)  # rounded down
-        logits_all.append(logits)
-        margins_all.append(m)
-        if gc is not None:
+    # Capped weights (convolution caps, spectral caps) computed once for the run.
+    with parametrize.cached():
+        gc = chain = None  # the proven constants, computed once
+        if "global" in methods:
             t0 = time.perf_counter()
-            r = global_radius(logits, yb, gc)
+            gc = global_constant(model)
             add("global", time.perf_counter() - t0)
-            for eps in eps_list:
-                # r is itself a certified radius (rounded down): ε ≤ r certifies.
-                certified.setdefault(f"global@{eps}", []).append(r >= eps)
-                add(f"global@{eps}", 0.0)
-            radii.setdefault("global", []).append(r)
-            advance(sl.stop - sl.start)
-        if use_taylor:
-            _taylor(model, xb, yb, eps_list, radius, radius_tol, max_memory,
-                    max_symbols, add, certified, radii)
-            advance(sl.stop - sl.start)
-        for method in bound_methods:
+        if "ball" in methods:
             t0 = time.perf_counter()
-            bound = network_bound(model, xb, method)
-            add(method, time.perf_counter() - t0)
-            decided = []
+            with torch.no_grad():
+                chain = proven_chain(model)
+            add("ball", time.perf_counter() - t0)
+
+        crown = None  # one bounded model for the whole run
+        if crown_runs:
+            from lipvit.certify.crown.bounds import crown_model
+
+            crown = crown_model(model, x.device)
+
+        for sl in _batches(n, batch_size):
+            xb, yb = x[sl], y[sl]
+            with torch.no_grad():
+                logits = model(xb)
+            m = margin(logits, yb)
+            m_cert = certified_margin(logits, yb)  # rounded down
+            logits_all.append(logits)
+            margins_all.append(m)
+            if gc is not None:
+                t0 = time.perf_counter()
+                r = global_radius(logits, yb, gc)
+                add("global", time.perf_counter() - t0)
+                for eps in eps_list:
+                    # r is itself a certified radius (rounded down): ε ≤ r certifies.
+                    certified.setdefault(f"global@{eps}", []).append(r >= eps)
+                    add(f"global@{eps}", 0.0)
+                radii.setdefault("global", []).append(r)
+                advance(sl.stop - sl.start)
+            if "ball" in methods:
+                with torch.no_grad():
+                    _ball(chain, model, xb, yb, eps_list, radius, radius_tol, add,
+                          certified, radii)
+                advance(sl.stop - sl.start)
+            if use_taylor:
+                _taylor(model, xb, yb, eps_list, radius, radius_tol, max_memory,
+                        max_symbols, add, certified, radii)
+                advance(sl.stop - sl.start)
+            for method in bound_methods:
+                t0 = time.perf_counter()
+                bound = network_bound(model, xb, method)
+                add(method, time.perf_counter() - t0)
+                decided = []
+                for eps in eps_list:
+                    t0 = time.perf_counter()
+                    ok = is_certified(m_cert, bound.delta_out(eps))
+                    add(f"{method}@{eps}", time.perf_counter() - t0)
+                    certified.setdefault(f"{method}@{eps}", []).append(ok)
+                    decided.append((eps, ok))
+                if radius:
+                    radii.setdefault(method, []).append(
+                        certified_radius(m_cert, bound.delta_out, rtol=radius_tol,
+                                         certified_at=decided)
+                    )
+                advance(sl.stop - sl.start)
             for eps in eps_list:
-                t0 = time.perf_counter()
-                ok = is_certified(m_cert, bound.delta_out(eps))
-                add(f"{method}@{eps}", time.perf_counter() - t0)
-                certified.setdefault(f"{method}@{eps}", []).append(ok)
-                decided.append((eps, ok))
-            if radius:
-                radii.setdefault(method, []).append(
-                    certified_radius(m_cert, bound.delta_out, rtol=radius_tol,
-                                     certified_at=decided)
-                )
-            advance(sl.stop - sl.start)
-        for eps in eps_list:
-            for name, lirpa_method in LIRPA_METHODS.items():
-                if name not in methods:
-                    continue
-                t0 = time.perf_counter()
-                ok = _crown_each(model, crown, xb, yb, eps, advance, lirpa_method)
-                add(f"{name}@{eps}", time.perf_counter() - t0)
-                certified.setdefault(f"{name}@{eps}", []).append(ok)
-            for cascade, first in CASCADES.items():
-                if cascade not in methods:
-                    continue
-                ok = certified[f"{first}@{eps}"][-1].clone()
-                rest = (~ok) & (m_cert > 0)
-                advance(float((~rest).sum()))  # decided by the first method
-                t0 = time.perf_counter()
-                if rest.any():
-                    ok[rest] = _crown_each(model, crown, xb[rest], yb[rest], eps,
-                                           advance)
-                add(f"{cascade}@{eps}", time.perf_counter() - t0)
-                certified.setdefault(f"{cascade}@{eps}", []).append(ok)
+                for name, lirpa_method in LIRPA_METHODS.items():
+                    if name not in methods:
+                        continue
+                    t0 = time.perf_counter()
+                    ok = _crown_each(model, crown, xb, yb, eps, advance, lirpa_method)
+                    add(f"{name}@{eps}", time.perf_counter() - t0)
+                    certified.setdefault(f"{name}@{eps}", []).append(ok)
+                for cascade, first in CASCADES.items():
+                    if cascade not in methods:
+                        continue
+                    ok = certified[f"{first}@{eps}"][-1].clone()
+                    rest = (~ok) & (m_cert > 0)
+                    advance(float((~rest).sum()))  # decided by the first method
+                    t0 = time.perf_counter()
+                    if rest.any():
+                        ok[rest] = _crown_each(model, crown, xb[rest], yb[rest], eps,
+                                               advance)
+                    add(f"{cascade}@{eps}", time.perf_counter() - t0)
+                    certified.setdefault(f"{cascade}@{eps}", []).append(ok)
 
     cert = {k: torch.cat(v) for k, v in certified.items()}
     results = []
@@ -339,7 +390,7 @@ def certify_samples(
         for eps in eps_list:
             key = f"{method}@{eps}"
             seconds = times[key]
-            if method in (*BOUND_METHODS, "taylor", "global"):
+            if method in (*BOUND_METHODS, "taylor", *PROVEN_METHODS):
                 seconds += times[method]
             elif method in CASCADES:
                 first = CASCADES[method]

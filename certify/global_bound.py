@@ -1,17 +1,19 @@
 """Proven global Lipschitz constants, and the certificate they give
 (docs/math.md §9).
 
-A model with ``arch="hybrid"`` (:class:`lipvit.hybrid.HybridViT`) is a
-composition of maps whose ℓ2 Lipschitz constants are bounded by closed
-formulas in its weights: convolutions (:func:`lipvit.spectral.conv_operator_norm`),
-linear maps (exact spectral norms), MaxMin and pixel unshuffling (1), and gated
-attention blocks (:func:`attention_lipschitz`, §9.2). Their product ``L``
-bounds ``‖g(x′) − g(x)‖₂ / ‖x′ − x‖₂`` everywhere for the features ``g`` that
-the last linear layer ``W`` reads, so every margin ``F_y − F_j = (w_y −
-w_j)ᵀ g + b_y − b_j`` moves by at most ``ε L ‖w_y − w_j‖`` on the ε-ball: the
-point is certified where every such margin exceeds it (§9.3; GloRo's
-per-pair constant, at most LoFAST Prop. 1's ``√2 ‖W‖ L``). The radius is in
-closed form and every point costs one forward pass.
+A model with ``arch="hybrid"`` (:class:`lipvit.hybrid.HybridViT`) or
+``arch="cait"`` (:class:`lipvit.cait.LipschitzCaiT`) is a composition of maps
+whose ℓ2 Lipschitz constants are bounded by closed formulas in their weights
+(each map owns its constant, :mod:`lipvit.lipschitz_blocks`): the stem
+(convolutions by the DFT of their kernels, §9.1; MaxMin and pixel
+unshuffling 1; the embedding's spectral norm), gated attention blocks (eq.
+9.2), per-token MLPs, class attention (eq. 9.4) and the head's hidden layer.
+Their product ``L`` bounds ``‖g(x′) − g(x)‖₂ / ‖x′ − x‖₂`` everywhere for the
+features ``g`` that the last linear layer ``W`` reads, so every margin ``F_y −
+F_j = (w_y − w_j)ᵀ g + b_y − b_j`` moves by at most ``ε L ‖w_y − w_j‖`` on the
+ε-ball: the point is certified where every such margin exceeds it (§9.3;
+GloRo's per-pair constant, at most LoFAST Prop. 1's ``√2 ‖W‖ L``). The radius
+is in closed form and every point costs one forward pass.
 """
 
 from __future__ import annotations
@@ -23,52 +25,23 @@ import torch
 from torch import Tensor, nn
 
 from lipvit.errors import UnsupportedModelError
-from lipvit.spectral import conv_operator_norm, spectral_norm
+from lipvit.lipschitz_blocks import AttentionNorms
+from lipvit.spectral import spectral_norm
 
 from .certification import ROUNDING
 
-
-def attention_lipschitz(
-    W_q: Tensor, W_k: Tensor, W_v: Tensor, W_o: Tensor, B: Tensor, radius: float
-) -> Tensor:
-    """Global Lipschitz constant (Frobenius norm) of the positional-bias
-    attention on token-projected inputs, docs/math.md eq. (9.2):
-
-    ``X ↦ Σ_h softmax(B_h + X̂ A_h X̂ᵀ) X̂ W_v[h] W_o[h]``, ``A_h = W_q[h]
-    W_k[h]ᵀ/√d``, ``X̂`` every token of ``X`` projected onto the ball of radius
-    ``R``. With ``β_h = ‖A_h‖ R²`` (no content logit exceeds it in size),
-    ``P⁰_h = softmax(B_h)``, ``c_h = min(N, e^{2β_h} max_j Σ_i P⁰_h[i, j])``
-    (a bound of every column sum of the attention matrix ``P_h``) and
-    ``p_h = min(e^{2β_h} ‖P⁰_h‖, √c_h)`` (a bound of ``‖P_h‖``)::
-
-        L ≤ ‖W_o‖ (max_h p_h ‖W_v‖ + (Σ_h 2 β_h² ‖W_v[h]‖² (1 + c_h))^{1/2})
-
-    the value path (attention held fixed) plus the softmax path. Shapes:
-    ``W_q, W_k, W_v`` ``(H, D, d)``, ``W_o`` ``(H, d, D)``, ``B`` ``(H, N, N)``;
-    returns a scalar, differentiable in every argument.
-    """
-    H, D, d = W_q.shape
-    A = W_q @ W_k.mT / math.sqrt(d)  # (H, D, D)
-    beta = spectral_norm(A) * radius**2  # (H,)
-    P0 = B.softmax(dim=-1)  # (H, N, N)
-    grow = torch.exp(2 * beta)  # (H,): entrywise P ≤ e^{2β} P⁰
-    W_v_all = W_v.permute(1, 0, 2).reshape(D, H * d)  # [W_v[1] … W_v[H]]
-    W_o_all = W_o.reshape(H * d, -1)  # rows of every head stacked
-    N = B.shape[-1]
-    col = (grow * P0.sum(dim=-2).amax(dim=-1)).clamp(max=N)  # (H,) column sums of P
-    P_norm = torch.minimum(grow * spectral_norm(P0), col.sqrt())  # (H,) ‖P_h‖
-    value = P_norm.amax() * spectral_norm(W_v_all)
-    soft = math.sqrt(2) * beta * spectral_norm(W_v) * (1 + col).sqrt()  # (H,)
-    return spectral_norm(W_o_all) * (value + torch.linalg.vector_norm(soft))
+#: The architectures whose every map carries a proven constant.
+PROVEN_ARCHS = ("hybrid", "cait")
 
 
 def check_global(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedModelError` unless ``model`` carries a proven
-    global constant (``arch="hybrid"``)."""
-    if getattr(getattr(model, "config", None), "arch", "vit") != "hybrid":
+    """Raise :class:`UnsupportedModelError` unless ``model`` carries proven
+    constants (``arch`` ``"hybrid"`` or ``"cait"``)."""
+    if getattr(getattr(model, "config", None), "arch", "vit") not in PROVEN_ARCHS:
         raise UnsupportedModelError(
-            "the global certificate needs a model with a proven global Lipschitz "
-            "constant (the lipschitz family's arch='hybrid'); this model has none"
+            "this certificate needs a model whose every map has a proven Lipschitz "
+            "constant (the lipschitz family's arch 'hybrid' or 'cait'); this model "
+            "has none"
         )
 
 
@@ -79,34 +52,96 @@ class GlobalConstant(NamedTuple):
     W: Tensor  # (classes, hidden) effective weight of the last layer
 
 
+class Chain(NamedTuple):
+    """The proven constants of a hybrid ViT or CaiT in the order of its forward
+    pass: ``L = stem · Π_k (r_k (1 − g_k) + g_k L_A,k / s_k) · after_k``, each
+    attention map ``k`` a gated residual block (``r = 1``, gate ``g``, its
+    output divided by ``s``) or class attention (``r = 0``, ``g = s = 1``),
+    ``after_k`` the constant of the maps up to the next attention map (the
+    per-token MLPs; after the last, also the head's hidden layer)."""
+
+    stem: Tensor  # ()
+    maps: tuple[nn.Module, ...]  # the attention maps
+    norms: tuple[AttentionNorms, ...]  # their weight norms
+    L_A: tuple[Tensor, ...]  # each map's global constant (9.2, 9.4)
+    gate: tuple[Tensor, ...]
+    scale: tuple[Tensor, ...]
+    residual: tuple[float, ...]
+    after: tuple[Tensor, ...]
+
+    def factor(self, k: int, L_A: Tensor) -> Tensor:
+        """Map ``k``'s block constant with its attention's constant ``L_A``."""
+        g = self.gate[k]
+        return self.residual[k] * (1 - g) + g * L_A / self.scale[k]
+
+
+def proven_chain(model: nn.Module, capped: bool = False) -> Chain:
+    """The :class:`Chain` of ``model`` (``arch`` ``"hybrid"`` or ``"cait"``), in
+    its dtype, differentiable where gradients are enabled (training reads it;
+    certification computes it once per model). With ``capped`` the maps whose
+    norm is capped at 1 by construction (the stem's convolutions and
+    embedding, the MLPs, the head's hidden layer) count as their caps instead
+    of their computed norms: an upper bound that costs no decomposition, for
+    training."""
+    check_global(model)
+    maps, norms, L_A, gate, scale, residual, after = [], [], [], [], [], [], []
+    one = torch.ones((), dtype=model.pos_embed.dtype, device=model.pos_embed.device)
+
+    def add(attn: nn.Module, g: Tensor, normalize: bool, r: float, rest: Tensor):
+        maps.append(attn)
+        norms.append(attn.norms())
+        L_A.append(attn.lipschitz(norms[-1]))
+        gate.append(g)
+        scale.append(L_A[-1].clamp_min(1.0) if normalize else one)
+        residual.append(r)
+        after.append(rest)
+
+    for block in model.blocks:
+        attn = getattr(block, "attn", block)
+        mlp = block.mlp.constant(capped) if hasattr(block, "mlp") else one
+        add(attn, attn.gate(), attn.normalize, 1.0, mlp)
+    if model.config.arch == "cait":
+        add(model.cls_attn, one, False, 0.0, model.cls_mlp.constant(capped))
+    head = one if capped else spectral_norm(model.head_hidden.weight)
+    after[-1] = after[-1] * head
+    stem = one if capped else model.stem_lipschitz()
+    return Chain(stem, tuple(maps), tuple(norms), tuple(L_A), tuple(gate),
+                 tuple(scale), tuple(residual), tuple(after))
+
+
 def global_constant(model: nn.Module) -> GlobalConstant:
     """Product of the proven constants of ``model``'s maps up to its last
-    linear layer (docs/math.md §9.1), in ``model``'s dtype (use a float64
-    copy), rounded up by :data:`~lipvit.certify.certification.ROUNDING`.
-
-    Each block contributes ``(1 − g) + g L_A / max(1, L̂_A)``, its gate ``g``,
-    ``L_A`` its attention's constant and ``L̂_A`` the same formula as the
-    forward pass evaluates it (equal here: the forward divides by it).
-    """
-    check_global(model)
+    linear layer (:func:`proven_chain`, docs/math.md §9), in ``model``'s dtype
+    (use a float64 copy), rounded up by
+    :data:`~lipvit.certify.certification.ROUNDING`. A gated attention block
+    contributes ``(1 − g) + g L_A / s``, its gate ``g``, ``L_A`` its
+    attention's constant (9.2) and ``s`` what its forward pass divides the
+    attention by (the hybrid: ``max(1, L_A)``, the same formula; CaiT: 1);
+    CaiT's per-token MLPs ``(1 − g) + g ‖W₁‖‖W₂‖`` and its class attention
+    (9.4)."""
     with torch.no_grad():
-        L = torch.ones((), dtype=model.pos_embed.dtype, device=model.pos_embed.device)
-        for conv in model.stem:
-            size = conv.parametrizations.weight[0].size
-            L = L * conv_operator_norm(conv.weight, size)
-        L = L * spectral_norm(model.embed.weight)
-        for block in model.blocks:
-            L_A = block.lipschitz()
-            g = block.gate()
-            L = L * ((1 - g) + g * L_A / L_A.clamp_min(1.0))
-        L = L * spectral_norm(model.head_hidden.weight)
+        chain = proven_chain(model)
+        L = chain.stem
+        for k, L_A in enumerate(chain.L_A):
+            L = L * chain.factor(k, L_A) * chain.after[k]
         return GlobalConstant(L * (1 + ROUNDING), model.head.weight.detach())
 
 
-def pair_constants(gc: GlobalConstant, y: Tensor) -> Tensor:
-    """``L ‖w_y − w_j‖`` for every class ``j``, ``(B, classes)`` (0 at ``j = y``)."""
-    diff = gc.W[y][:, None, :] - gc.W[None, :, :]  # (B, classes, hidden)
-    return gc.L * torch.linalg.vector_norm(diff, dim=-1) * (1 + ROUNDING)
+def pair_constants(W: Tensor, L: Tensor, y: Tensor) -> Tensor:
+    """``L ‖w_y − w_j‖`` for every class ``j``, ``(B, classes)`` (0 at ``j =
+    y``), rounded up; ``W`` the last layer's weight ``(classes, hidden)``, ``L``
+    a scalar or one per sample ``(B,)``."""
+    diff = W[y][:, None, :] - W[None, :, :]  # (B, classes, hidden)
+    L = L.reshape(-1, 1) if L.ndim else L
+    return L * torch.linalg.vector_norm(diff, dim=-1) * (1 + ROUNDING)
+
+
+def pair_margins(logits: Tensor, y: Tensor) -> Tensor:
+    """``F_y − F_j`` rounded down by ``ROUNDING · max|F|``, ``(B, classes)``,
+    ``+inf`` at ``j = y``."""
+    true = logits.gather(1, y[:, None])  # (B, 1)
+    margins = true - logits - ROUNDING * logits.abs().amax(dim=1, keepdim=True)
+    return margins.scatter(1, y[:, None], math.inf)
 
 
 def global_radius(logits: Tensor, y: Tensor, gc: GlobalConstant) -> Tensor:
@@ -114,11 +149,9 @@ def global_radius(logits: Tensor, y: Tensor, gc: GlobalConstant) -> Tensor:
     (L ‖w_y − w_j‖)`` (docs/math.md eq. 9.3) with margins rounded down, itself
     lowered by :data:`ROUNDING` so that the radius is a certified value; 0
     where the point is misclassified."""
-    true = logits.gather(1, y[:, None])  # (B, 1)
-    margins = true - logits - ROUNDING * logits.abs().amax(dim=1, keepdim=True)
-    K = pair_constants(gc, y)
+    margins = pair_margins(logits, y)
+    K = pair_constants(gc.W, gc.L, y)
     # A pair with w_y = w_j never moves: certified exactly where its margin is > 0.
     ratio = torch.where(K > 0, margins / K.clamp_min(torch.finfo(K.dtype).tiny),
                         torch.where(margins > 0, math.inf, -math.inf))
-    ratio = ratio.scatter(1, y[:, None], math.inf)  # (B, classes)
     return (ratio.amin(dim=1) * (1 - ROUNDING)).clamp_min(0.0)

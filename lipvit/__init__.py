@@ -14,6 +14,7 @@ _PUBLIC = {
     "ViTConfig": ".config",
     "preset": ".config",
     "ViT": ".model",
+    "ablate_attention": ".ablation",
     "Checkpoint": ".checkpoint",
     "load_checkpoint": ".checkpoint",
     "save_checkpoint": ".checkpoint",

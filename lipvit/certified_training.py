@@ -178,6 +178,12 @@ class CertifiedLoss:
                      "relu_blocks": relu_blocks.detach()}
         return logits32 + F.one_hot(j, logits32.shape[1]).to(bump.dtype) * bump[:, None]
 
+    def certified(self) -> Tensor:
+        """``(B,)`` bool: the points of the last :meth:`raised_logits` whose
+        margin beat the raise."""
+        last = self.last
+        return last["margin"] > last["first"] + last["relu"]
+
     def remove(self) -> None:
         """Detach the hooks."""
         for handle in self._handles:

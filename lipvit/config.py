@@ -14,7 +14,8 @@ from typing import Any, Literal
 Family = Literal["standard", "lipschitz"]
 AttnProject = Literal["frobenius", "token"]
 AttentionKind = Literal["dot", "l2", "lipnorm", "scsa", "conv"]
-Arch = Literal["vit", "hybrid"]
+Arch = Literal["vit", "hybrid", "cait"]
+ARCHS: tuple[str, ...] = ("vit", "hybrid", "cait")
 ATTENTIONS: tuple[str, ...] = ("dot", "l2", "lipnorm", "scsa", "conv")
 
 
@@ -68,10 +69,19 @@ class ViTConfig:
             ``depth`` (attention blocks), ``embed_dim``, ``num_heads``,
             ``attn_radius``, ``stem_width`` and ``head_hidden``, centres pixels
             by ``mean`` and ignores ``std``. Checkpoints written before this
-            field existed load as ``"vit"``.
-        stem_width: hybrid only: channels of the stem's first convolution
+            field existed load as ``"vit"``. ``"cait"``, lipschitz family
+            only (:class:`lipvit.cait.LipschitzCaiT`): the same stem, ``depth``
+            gated self-attention blocks with per-token MLPs (``mlp_ratio``),
+            class attention and a head on the class token; certified by
+            ``ball`` (or ``global``). It also reads ``cls_heads``,
+            ``cls_key_dim`` and ``cls_value_dim``.
+        stem_width: hybrid and cait: channels of the stem's first convolution
             (the second has twice as many); even.
-        head_hidden: hybrid only: width of the head's hidden layer; even.
+        head_hidden: hybrid and cait: width of the head's hidden layer; even.
+        cls_heads: cait only: heads of the class attention (0: one per token).
+        cls_key_dim: cait only: width of each class-attention head's query
+            and keys.
+        cls_value_dim: cait only: width of each class-attention head's values.
     """
 
     image_size: int = 8
@@ -96,6 +106,9 @@ class ViTConfig:
     arch: Arch = "vit"
     stem_width: int = 32
     head_hidden: int = 128
+    cls_heads: int = 0
+    cls_key_dim: int = 8
+    cls_value_dim: int = 32
 
     def __post_init__(self) -> None:
         positive = (
@@ -147,10 +160,10 @@ class ViTConfig:
             raise ValueError(
                 f"conv_kernel must be an odd positive integer, got {self.conv_kernel!r}"
             )
-        if self.arch not in ("vit", "hybrid"):
-            raise ValueError(f"arch must be 'vit' or 'hybrid', got {self.arch!r}")
-        if self.arch == "hybrid":
-            self._check_hybrid()
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.arch != "vit":
+            self._check_conv_stem()
         if not self.mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
         if not (isinstance(self.norm_eps, float | int) and self.norm_eps > 0):
@@ -180,19 +193,30 @@ class ViTConfig:
         if any(not s > 0 for s in self.std):
             raise ValueError(f"std entries must be > 0, got {self.std}")
 
-    def _check_hybrid(self) -> None:
+    def _check_conv_stem(self) -> None:
+        """The hybrid's and CaiT's shared checks (their convolutional stem)."""
         if self.family != "lipschitz":
-            raise ValueError("arch 'hybrid' exists in the lipschitz family only")
+            raise ValueError(f"arch {self.arch!r} exists in the lipschitz family only")
         if self.patch_size != 4:
             raise ValueError(
-                "arch 'hybrid' downsamples by 4 in its stem: patch_size must be 4, "
-                f"got {self.patch_size}"
+                f"arch {self.arch!r} downsamples by 4 in its stem: patch_size must "
+                f"be 4, got {self.patch_size}"
             )
         for name in ("stem_width", "head_hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 2 \
                     or value % 2:
                 raise ValueError(f"{name} must be an even integer ≥ 2, got {value!r}")
+        if self.arch == "cait":
+            if self.mlp_hidden % 2:
+                raise ValueError(
+                    f"arch 'cait' needs an even MLP width (MaxMin pairs its units), "
+                    f"got embed_dim × mlp_ratio = {self.mlp_hidden}")
+            for name, low in (("cls_heads", 0), ("cls_key_dim", 1),
+                              ("cls_value_dim", 1)):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                    raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
 
     @property
     def head_dim(self) -> int:
@@ -301,6 +325,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         depth=1,
         num_heads=4,
         arch="hybrid",
+        stem_width=32,
+        head_hidden=128,
+    ),
+    # The lipschitz family's CaiT (docs/fashion-mnist.md): the hybrid's stem,
+    # self-attention blocks with per-token MLPs, class attention with one head
+    # per token, a head on the class token; certified by ``ball``.
+    "fmnist-cait": dict(
+        family="lipschitz",
+        image_size=28,
+        in_chans=1,
+        patch_size=4,
+        embed_dim=64,
+        depth=2,
+        num_heads=4,
+        mlp_ratio=2.0,
+        arch="cait",
         stem_width=32,
         head_hidden=128,
     ),

@@ -28,6 +28,7 @@ from lipvit.attention import (  # noqa: F401 (Attention and the heads' types: mo
     HeadWeights,
     build_attention,
 )
+from lipvit.cait import LipschitzCaiT
 from lipvit.config import ViTConfig
 from lipvit.hybrid import HybridViT
 from lipvit.layers import SLL, LayerProject, capped_linear
@@ -184,7 +185,8 @@ class ViT(nn.Module):
         return [block.attn for block in self.blocks]
 
 
-def build_model(cfg: ViTConfig) -> ViT | HybridViT:
-    """The model ``cfg`` describes: a :class:`ViT`, or a
-    :class:`lipvit.hybrid.HybridViT` where ``cfg.arch == "hybrid"``."""
-    return HybridViT(cfg) if cfg.arch == "hybrid" else ViT(cfg)
+def build_model(cfg: ViTConfig) -> ViT | HybridViT | LipschitzCaiT:
+    """The model ``cfg`` describes: a :class:`ViT`, a
+    :class:`lipvit.hybrid.HybridViT` where ``cfg.arch == "hybrid"``, a
+    :class:`lipvit.cait.LipschitzCaiT` where it is ``"cait"``."""
+    return {"hybrid": HybridViT, "cait": LipschitzCaiT}.get(cfg.arch, ViT)(cfg)

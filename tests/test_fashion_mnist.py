@@ -238,7 +238,7 @@ def test_cli_train_defaults_to_the_fashion_mnist_preset(tmp_path: Path) -> None:
     lip = load_checkpoint(tmp_path / "lip.pt")
     assert (lip.config.arch, lip.config.embed_dim) == ("hybrid", 64)  # fmnist-hybrid
     assert lip.summary["train_config"]["batch_size"] == 256
-    assert lip.summary["hybrid"]["global_constant"] <= 1 + 1e-6
+    assert lip.summary["proven"]["global_constant"] <= 1 + 1e-6
     assert "global constant" in result.output
 
 

@@ -105,14 +105,17 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
 
 
 def check_vit(loaded, command: str) -> None:
-    """Refuse, in one line, a hybrid-ViT checkpoint for ``command``, whose
-    analyses need the ViT architecture (patch embedding, LoFAST layer bounds)."""
+    """Refuse, in one line, a hybrid-ViT or CaiT checkpoint for ``command``,
+    whose analyses need the ViT architecture (patch embedding, LoFAST layer
+    bounds)."""
     from lipvit.errors import UnsupportedModelError
 
-    if loaded.config.arch == "hybrid":
+    arch = loaded.config.arch
+    if arch != "vit":
+        name = {"hybrid": "the hybrid ViT", "cait": "CaiT"}[arch]
         raise UnsupportedModelError(
-            f"{command} analyses lipvit's ViT architecture; this checkpoint is the "
-            "hybrid ViT (lipvit certify and lipvit attack take it)")
+            f"{command} analyses lipvit's ViT architecture; this checkpoint is "
+            f"{name} (lipvit certify and lipvit attack take it)")
 
 
 @dataclass(frozen=True, eq=False)

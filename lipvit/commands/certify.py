@@ -63,15 +63,15 @@ def taylor_unsupported(model) -> str | None:
 
 def default_method(model) -> tuple[str, str | None]:
     """The method of a ``certify`` without ``--method``: the best sound one the
-    model supports: ``global`` on the hybrid ViT (the only one that bounds it),
-    else ``taylor`` (first-order exact), else ``lofast``, with the one-line note
-    that says why.
+    model supports: ``ball`` on the hybrid ViT and CaiT (their local
+    constants, never weaker than ``global``), else ``taylor`` (first-order
+    exact), else ``lofast``, with the one-line note that says why.
 
     Raises:
         UnsupportedModelError: lofast cannot bound the model either (its reason).
     """
-    if getattr(model.config, "arch", "vit") == "hybrid":
-        return "global", None  # its proven global constant (docs/math.md §9)
+    if getattr(model.config, "arch", "vit") != "vit":
+        return "ball", None  # its proven constants, local where it pays (§10)
     why = taylor_unsupported(model)
     if why is None:
         return "taylor", None

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from lipvit.checkpoint import FORMAT_VERSION, load_checkpoint
-from lipvit.hybrid import hybrid_text
+from lipvit.proven_summary import proven_text
 from lipvit.train import head_sigmas
 
 
@@ -114,8 +114,9 @@ def info_command(path: Path, as_json: bool) -> None:
             f"{s.get('epochs')} epochs in {s.get('seconds', 0):.1f} s "
             f"on {s.get('device')}"
         )
-    if s is not None and "hybrid" in s:  # the hybrid ViT: no W_q, W_k, W_v table
-        lines.append(f"hybrid       {hybrid_text(s['hybrid'])}")
+    proven = None if s is None else s.get("proven", s.get("hybrid"))
+    if proven is not None:  # hybrid ViT, CaiT: no W_q, W_k, W_v table
+        lines.append(f"{proven.get('arch', 'hybrid'):<12} {proven_text(proven)}")
         click.echo("\n".join(lines))
         return
     lines.append("sigma_max    exact per head (mean / max over heads)")

@@ -12,7 +12,7 @@ from lipvit.commands import _common as C
 from lipvit.config import ATTENTIONS, PRESETS, preset
 from lipvit.data import DATASETS, default_dirs_text, load_dataset
 from lipvit.errors import LipvitError
-from lipvit.hybrid import hybrid_text
+from lipvit.proven_summary import proven_text
 from lipvit.train import (
     DATASET_DEFAULTS,
     FAMILY_DEFAULTS,
@@ -410,8 +410,8 @@ def train_command(
         return
     sig = summary["sigma_max"]
     sigma = (
-        hybrid_text(summary["hybrid"])
-        if "hybrid" in summary
+        proven_text(summary["proven"])
+        if "proven" in summary
         else "no W_q, W_k, W_v (conv token mixing)"
         if sig["mean"] is None
         else f"mean sigma_max(W_q, W_k, W_v) {sig['mean']:.4f} (q "

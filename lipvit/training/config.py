@@ -236,6 +236,9 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "hybrid": dict(epochs=20, batch_size=256, lr=1e-3, optimizer="adamw",
                    weight_decay=0.0, warmup=2.0, loss_scale=4.0,
                    margin=0.1 * math.sqrt(2), relu_stability=0.0, augment=False),
+    "cait": dict(epochs=20, batch_size=256, lr=1e-3, optimizer="adamw",
+                 weight_decay=0.0, warmup=2.0, loss_scale=4.0, cert_eps=0.1,
+                 cert_warmup=0.0, relu_stability=0.0, augment=False),
 }
 
 
@@ -255,17 +258,22 @@ def train_config_for(
 
 
 def _check_arch(model_cfg: ViTConfig, cfg: TrainConfig) -> None:
-    """Refuse, in one line, the penalties the hybrid ViT has nothing for: MSVP
-    (its attention's constant is part of the model), the ReLU-stability
-    penalty and ``cert_eps`` (both act on SLL layers; the margin is its
-    training for the certificate)."""
-    if model_cfg.arch != "hybrid":
+    """Refuse, in one line, the penalties the hybrid ViT and CaiT have nothing
+    for: MSVP (their attention's constants are part of the certificate) and
+    the ReLU-stability penalty (it acts on SLL layers); and, for the hybrid,
+    ``cert_eps`` (its margin is its training for the certificate; CaiT's
+    ``cert_eps`` trains for ``ball``, :mod:`lipvit.training.ball_loss`)."""
+    if model_cfg.arch == "vit":
         return
     given = [name for name, on in (("--msvp", any(cfg.msvp)),
                                    ("--relu-stability", cfg.relu_stability > 0),
-                                   ("--cert-eps", cfg.cert_eps > 0)) if on]
+                                   ("--cert-eps", cfg.cert_eps > 0
+                                    and model_cfg.arch == "hybrid")) if on]
     if given:
-        raise LipvitError(
-            f"the hybrid ViT has a proven global constant and no SLL layers: drop "
-            f"{', '.join(given)} (--margin trains it for the certificate)"
-        )
+        what = ("the hybrid ViT has a proven global constant and no SLL layers"
+                if model_cfg.arch == "hybrid" else
+                "CaiT's attention constants are in its certificate and it has no "
+                "SLL layers")
+        hint = ("--margin trains it for the certificate" if model_cfg.arch == "hybrid"
+                else "--cert-eps trains it for the certificate")
+        raise LipvitError(f"{what}: drop {', '.join(given)} ({hint})")

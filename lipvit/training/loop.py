@@ -25,6 +25,7 @@ from lipvit.msvp import MSVP
 from lipvit.runtime import cpu_threads
 from lipvit.stability import ReLUStability
 from lipvit.training.adversarial import pgd_attack
+from lipvit.training.ball_loss import BallLoss
 from lipvit.training.config import TrainConfig, _check_arch
 from lipvit.training.device import _deterministic, _distributed, autocast_for
 from lipvit.training.losses import margin_cross_entropy
@@ -45,7 +46,7 @@ def train_step(
     msvp: MSVP | None = None,
     *,
     stability: ReLUStability | None = None,
-    cert: CertifiedLoss | None = None,
+    cert: CertifiedLoss | BallLoss | None = None,
     cert_eps: float = 0.0,
     net: nn.Module | None = None,
     generator: torch.Generator | None = None,
@@ -240,7 +241,10 @@ def _train(
         if cfg.relu_stability > 0
         else None
     )
-    cert = CertifiedLoss(model, cfg.cert_stream) if cfg.cert_eps > 0 else None
+    cert = None
+    if cfg.cert_eps > 0:
+        cert = (BallLoss(model) if model_cfg.arch == "cait"
+                else CertifiedLoss(model, cfg.cert_stream))
     groups = _param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
@@ -312,10 +316,7 @@ def _train(
                 cert_eps=eps_now, net=net, generator=gen, autocast=autocast,
             )
             if cert is not None:
-                last = cert.last
-                cert_correct += ((logits.argmax(dim=-1) == y)
-                                 & (last["margin"] > last["first"] + last["relu"])
-                                 ).sum()
+                cert_correct += ((logits.argmax(dim=-1) == y) & cert.certified()).sum()
             if msvp is not None:
                 pen_sum += penalty
             loss_sum += loss * y.shape[0]

@@ -12,7 +12,7 @@ from torch import nn
 
 from lipvit.config import ViTConfig
 from lipvit.data import Dataset
-from lipvit.hybrid import hybrid_summary
+from lipvit.proven_summary import proven_summary
 from lipvit.training.config import TrainConfig
 from lipvit.training.metrics import _unwrap, evaluate, sigma_summary
 
@@ -69,9 +69,10 @@ def _summary(
     from lipvit import __version__
 
     last = history[-1] if history else {}
-    hybrid = {}
-    if model_cfg.arch == "hybrid":  # its constant and attention on 1000 test images
-        hybrid = {"hybrid": hybrid_summary(_unwrap(model), data.x_test[:1000])}
+    proven = {}
+    if model_cfg.arch != "vit":  # its constant and attention on 1000 test images
+        proven = {"proven": proven_summary(_unwrap(model), data.x_test[:1000],
+                                           data.y_test[:1000])}
     return {
         "lipvit_version": __version__,
         "checkpoint": str(out),
@@ -92,5 +93,5 @@ def _summary(
         "model_config": model_cfg.to_dict(),
         "train_config": cfg.to_dict(),
         "history": history,
-        **hybrid,
+        **proven,
     }

@@ -1,0 +1,162 @@
+"""Local Lipschitz constants of attention over a Frobenius ball
+(docs/math.md §10, ours).
+
+Pure functions of tensors. Each returns, per sample, a constant ``L`` with
+``‖f(X′) − f(X)‖ ≤ L ‖X′ − X‖_F`` for every ``X′`` with ``‖X′ − X‖_F ≤ δ``:
+the supremum of the Jacobian's norm over the ball is bounded through what is
+known at the clean tokens ``X`` (the attention matrix, the keys' and queries'
+reach, the values' spread) and how far the ball lets each of them move. All
+are **upper bounds**; ``tests/test_ball.py`` checks them against dense
+Jacobians at points of the ball and against PGD, in float64.
+
+============  ==================  ==============================================
+symbol        variable            meaning
+============  ==================  ==============================================
+``δ``         ``delta``           Frobenius radius of the ball, ``(B,)``
+``P⁰``        ``P0``              attention matrix at ``X``
+``Δ_ij``      ``Delta``           bound of the move of content logit ``ij``
+``P̄``         ``P_bar``           entrywise bound of the attention on the ball
+``κ_j``       ``kappa``           ``‖A x̂_jᵀ‖``: a query's reach through key ``j``
+``ρ_i``       ``rho``             ``‖x̂_i A‖``: a key's reach through query ``i``
+``σ_i``       ``sigma``           values' spread under row ``i``
+============  ==================  ==============================================
+
+Shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H`` heads, ``d`` head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lipvit.layers import layer_project
+from lipvit.lipschitz_blocks import AttentionNorms, class_attention_paths
+from lipvit.spectral import gamma, spectral_norm
+
+
+def attention_upper(P0: Tensor, Delta: Tensor) -> Tensor:
+    """Entrywise bound of a softmax row whose logits move by at most
+    ``Delta``: ``P̄_ij = min(1, P⁰_ij e^{Δ_ij} / Σ_k P⁰_ik e^{−Δ_ik})``
+    (docs/math.md eq. 10.1). ``P0`` and ``Delta`` broadcast; rows on the last
+    axis."""
+    return (P0 * Delta.exp() / (P0 * (-Delta).exp()).sum(dim=-1, keepdim=True)).clamp(
+        max=1.0)
+
+
+def _spread2(v: Tensor, centre: Tensor) -> Tensor:
+    """``‖v_j − c_i‖²`` for values ``v`` ``(..., N, d)`` and centres ``c``
+    ``(..., M, d)``: ``(..., M, N)``, by the expansion ``‖v‖² + ‖c‖² − 2 c·v``
+    plus the bound of its float error (``γ_{d+2} (‖v‖ + ‖c‖)²``), so never
+    below the exact value."""
+    vv = (v * v).sum(dim=-1)[..., None, :]  # (..., 1, N)
+    cc = (centre * centre).sum(dim=-1)[..., :, None]  # (..., M, 1)
+    err = gamma(v.shape[-1] + 2) * (vv.sqrt() + cc.sqrt()) ** 2
+    return (vv + cc - 2 * centre @ v.mT).clamp_min(0) + err
+
+
+def self_attention_local(
+    X: Tensor,
+    delta: Tensor,
+    W_q: Tensor,
+    W_k: Tensor,
+    W_v: Tensor,
+    norms: AttentionNorms,
+    B: Tensor,
+    radius: float,
+    exact: bool = True,
+) -> Tensor:
+    """Local constant of ``X ↦ Σ_h softmax(B_h + X̂ A_h X̂ᵀ) X̂ W_v[h] W_o[h]``
+    (:class:`lipvit.lipschitz_blocks.GatedAttention`'s attention) on the ball
+    of radius ``delta`` around ``X``, docs/math.md eq. (10.2):
+
+        L ≤ ‖W_o‖ (max_h ‖P̄_h‖ ‖W_v‖ + (2 max_t Σ_h c_{h,t})^{1/2}),
+        c_t = σ̄_t² K_t + Σ_i σ̄_i² ρ̄_i² P̄_it,   K_i = Σ_j P̄_ij κ̄_j²,
+
+    the value path with the attention bounded entrywise on the ball, and the
+    softmax path with the logits' reach and the values' spread as the ball
+    allows them. ``‖P̄_h‖`` is bounded by ``(max_j Σ_i P̄_ij)^{1/2}`` (rows of
+    the attention sum to 1) and, with ``exact``, also by the dense spectral
+    norm of ``P̄_h`` (float64 certification; training takes the first alone).
+
+    Shapes: ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``W_q, W_k, W_v`` ``(H, D,
+    d)``, ``norms`` the weights' (:func:`lipvit.lipschitz_blocks.
+    attention_norms`), ``B`` ``(H, N, N)``; returns ``(B,)``, differentiable.
+    """
+    d = W_q.shape[-1]
+    R = radius
+    x_hat = layer_project(X, R)  # (B, N, D)
+    q, k, v = (torch.einsum("bnD,hDd->bhnd", x_hat, W) for W in (W_q, W_k, W_v))
+    P0 = (q @ k.mT / math.sqrt(d) + B).softmax(dim=-1)  # (B, H, N, N)
+    A_norm = norms.content[None, :, None]  # (1, H, 1) ‖A_h‖
+    beta = A_norm * R**2
+    kappa = torch.einsum("hDd,bhnd->bhnD", W_q, k).norm(dim=-1) / math.sqrt(d)
+    rho = torch.einsum("hDd,bhnd->bhnD", W_k, q).norm(dim=-1) / math.sqrt(d)  # (B, H, N)
+    dl = delta[:, None, None]  # (B, 1, 1)
+    # Logit moves, eq. (10.3): u κ_j + ρ_i w + ‖A‖ u w with u² + w² ≤ δ² (i ≠ j).
+    Delta = (dl[..., None] * (kappa[:, :, None, :] ** 2 + rho[..., None] ** 2).sqrt()
+             + (A_norm * dl ** 2 / 2)[..., None])  # (B, H, N, N)
+    diag = dl * (kappa + rho) + A_norm * dl**2  # (B, H, N): i = j, u = w ≤ δ
+    Delta = torch.diagonal_scatter(Delta, diag, dim1=-2, dim2=-1)
+    P_bar = attention_upper(P0, torch.minimum(Delta, (2 * beta)[..., None]))
+    P_norm = P_bar.sum(dim=-2).amax(dim=-1).sqrt()  # (B, H)
+    if exact:
+        P_norm = torch.minimum(P_norm, spectral_norm(P_bar) * (1 + 1e-12))
+    # Values' spread under row i, eq. (10.4): around the clean mean v̄_i.
+    W_v_h = norms.value_head[None, :, None]  # (1, H, 1) ‖W_v[h]‖
+    e2 = _spread2(v, P0 @ v)  # (B, H, N, N)
+    m = P_bar.amax(dim=-1)  # (B, H, N) ≥ max_j P_ij
+    sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
+             + W_v_h * dl * m.sqrt())
+    sigma = torch.minimum(sigma, W_v_h * R)
+    kappa_bar = torch.minimum(kappa + A_norm * dl, A_norm * R)
+    rho_bar = torch.minimum(rho + A_norm * dl, A_norm * R)
+    K = torch.minimum((P_bar * kappa_bar[:, :, None, :] ** 2).sum(dim=-1),
+                      (kappa_bar**2).amax(dim=-1, keepdim=True))  # (B, H, N)
+    c = sigma**2 * K + torch.einsum("bhi,bhit->bht", sigma**2 * rho_bar**2, P_bar)
+    soft = (2 * c.sum(dim=1).amax(dim=-1)).sqrt()  # (B,)
+    return norms.out * (P_norm.amax(dim=-1) * norms.value + soft)
+
+
+def class_attention_local(
+    X: Tensor,
+    delta: Tensor,
+    a: Tensor,
+    W_v: Tensor,
+    norms: AttentionNorms,
+    B: Tensor,
+    radius: float,
+    exact: bool = True,
+) -> Tensor:
+    """Local constant of class attention ``X ↦ Σ_h (Σ_j P_h[j] x̂_j) W_v[h]
+    W_o[h]``, ``P_h = softmax(B_h + X̂ a_h)``
+    (:class:`lipvit.lipschitz_blocks.ClassAttention`) on the ball of radius
+    ``delta`` around ``X``, docs/math.md eq. (10.5): eq. (9.4)'s two paths with
+    ``P̄_h = min(1, e^{2 Δ_h} P⁰_h)``, ``Δ_h = ‖a_h‖ min(δ, 2R)`` and the
+    values' spread ``s_h`` bounded at ``X`` plus what the ball adds. With
+    ``exact`` the spread is measured on the values; else (training) on the
+    tokens, times ``‖W_v[h]‖`` (cheaper, never smaller).
+
+    Shapes: ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``a`` ``(H, D)``, ``W_v``
+    ``(H, D, d)``, ``norms`` the weights' (``content = ‖a_h‖``), ``B`` ``(H,
+    N)``; returns ``(B,)``, differentiable.
+    """
+    R = radius
+    x_hat = layer_project(X, R)  # (B, N, D)
+    P0 = (x_hat @ a.T).mT.add(B).softmax(dim=-1)  # (B, H, N)
+    a_norm = norms.content  # (H,)
+    Delta = a_norm * torch.minimum(delta, torch.full_like(delta, 2 * R))[:, None]
+    P_bar = (P0 * (2 * Delta)[..., None].exp()).clamp(max=1.0)  # (B, H, N)
+    W_v_h = norms.value_head  # (H,)
+    centre = P0 @ x_hat  # (B, H, D) the clean pooled tokens
+    if exact:  # ‖(x̂_j − x̄_h) W_v[h]‖²
+        e2 = _spread2(torch.einsum("bnD,hDv->bhnv", x_hat, W_v),
+                      torch.einsum("bhD,hDv->bhv", centre, W_v)[..., None, :])[..., 0, :]
+    else:  # ‖x̂_j − x̄_h‖² ‖W_v[h]‖²
+        e2 = _spread2(x_hat[:, None], centre[..., None, :])[..., 0, :] * W_v_h[:, None] ** 2
+    m = P_bar.amax(dim=-1)  # (B, H)
+    sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
+             + W_v_h * delta[:, None] * m.sqrt())
+    sigma = torch.minimum(sigma, W_v_h * R)  # (B, H)
+    return class_attention_paths(norms, P_bar, a_norm * sigma)
