@@ -101,7 +101,7 @@ def proven_chain(model: nn.Module, capped: bool = False) -> Chain:
         mlp = block.mlp.constant(capped) if hasattr(block, "mlp") else one
         add(attn, attn.gate(), attn.normalize, 1.0, mlp)
     if model.config.arch == "cait":
-        add(model.cls_attn, one, False, 0.0, model.cls_mlp.constant(capped))
+        add(model.cls_attn, one, False, 0.0, one)
     head = one if capped else spectral_norm(model.head_hidden.weight)
     after[-1] = after[-1] * head
     stem = one if capped else model.stem_lipschitz()

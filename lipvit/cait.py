@@ -16,8 +16,8 @@ tokens, then class attention that reads the class token from them.
   bias, ``x ↦ (1 − g) x + g Attn(x)``, not normalised: its cost is paid by the
   certificate, locally) and a gated per-token MLP (:class:`GatedMLP`);
 - class attention (:class:`ClassAttention`): ``cls_heads`` heads with a learned
-  query each, pooling the tokens by content and position, then a gated MLP
-  on the class token;
+  query each, pooling the tokens by content and position, each pooled token
+  mapped to ``cls_value_dim`` values, stacked into the class token;
 - head: a linear map of norm ≤ 1, MaxMin and the last linear layer, whose rows
   give the per-pair certificate.
 
@@ -59,11 +59,9 @@ class LipschitzCaiT(ConvTokens):
 
     def __init__(self, cfg: ViTConfig):
         super().__init__(cfg)
-        D = cfg.embed_dim
         self.blocks = nn.ModuleList(CaiTBlock(cfg) for _ in range(cfg.depth))
         self.cls_attn = ClassAttention(cfg)
-        self.cls_mlp = GatedMLP(D, cfg.mlp_hidden)
-        self.head_hidden = capped_linear(D, cfg.head_hidden)
+        self.head_hidden = capped_linear(self.cls_attn.out_features, cfg.head_hidden)
         self.head = capped_linear(cfg.head_hidden, cfg.num_classes)
         for layer in (self.embed, self.head_hidden, self.head):
             nn.init.orthogonal_(layer.parametrizations.weight.original)
@@ -77,9 +75,9 @@ class LipschitzCaiT(ConvTokens):
         return t
 
     def forward_head(self, t: Tensor) -> Tensor:
-        """The last block's tokens ``(B, N, D)`` to logits: the class token,
-        its MLP and the head."""
-        return self.head(max_min(self.head_hidden(self.cls_mlp(self.cls_attn(t)))))
+        """The last block's tokens ``(B, N, D)`` to logits: the class token and
+        the head."""
+        return self.head(max_min(self.head_hidden(self.cls_attn(t))))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))

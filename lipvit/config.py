@@ -82,6 +82,9 @@ class ViTConfig:
         cls_key_dim: cait only: width of each class-attention head's query
             and keys.
         cls_value_dim: cait only: width of each class-attention head's values.
+        cls_content: cait only: ``‖a_h‖``, the norm of every class-attention
+            head's content direction, held fixed (its logits ``a_h · x̂_j``
+            then spread by up to ``2 ‖a_h‖ attn_radius``); 0 leaves it free.
     """
 
     image_size: int = 8
@@ -109,6 +112,7 @@ class ViTConfig:
     cls_heads: int = 0
     cls_key_dim: int = 8
     cls_value_dim: int = 32
+    cls_content: float = 0.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -212,6 +216,8 @@ class ViTConfig:
                 raise ValueError(
                     f"arch 'cait' needs an even MLP width (MaxMin pairs its units), "
                     f"got embed_dim × mlp_ratio = {self.mlp_hidden}")
+            if not (isinstance(self.cls_content, float | int) and self.cls_content >= 0):
+                raise ValueError(f"cls_content must be ≥ 0, got {self.cls_content!r}")
             for name, low in (("cls_heads", 0), ("cls_key_dim", 1),
                               ("cls_value_dim", 1)):
                 value = getattr(self, name)

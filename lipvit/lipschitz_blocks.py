@@ -50,13 +50,16 @@ class AttentionNorms(NamedTuple):
     out: Tensor
 
 
-def value_norms(W_v: Tensor, W_o: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def value_norms(W_v: Tensor, W_o: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``‖W_v[h]‖`` ``(H,)``, ``‖[W_v[1] … W_v[H]]‖`` and ``‖W_o‖`` of ``W_v``
-    ``(H, D, d)`` and ``W_o`` ``(H, d, D_out)``."""
+    ``(H, D, d)`` and ``W_o`` ``(H, d, D_out)`` (``None``: no output map, 1)."""
     H, D, d = W_v.shape
     W_v_all = W_v.permute(1, 0, 2).reshape(D, H * d)  # [W_v[1] … W_v[H]]
+    v_all = spectral_norm(W_v_all)
+    if W_o is None:
+        return spectral_norm(W_v), v_all, torch.ones_like(v_all)
     W_o_all = W_o.reshape(H * d, -1)  # rows of every head stacked
-    return spectral_norm(W_v), spectral_norm(W_v_all), spectral_norm(W_o_all)
+    return spectral_norm(W_v), v_all, spectral_norm(W_o_all)
 
 
 def attention_norms(W_q: Tensor, W_k: Tensor, W_v: Tensor, W_o: Tensor
@@ -115,21 +118,30 @@ def class_attention_lipschitz(norms: AttentionNorms, B: Tensor, radius: float
     return class_attention_paths(norms, P_bar, beta * norms.value_head)
 
 
-def class_attention_paths(norms: AttentionNorms, P_bar: Tensor, soft: Tensor
-                          ) -> Tensor:
+def class_attention_paths(norms: AttentionNorms, P_bar: Tensor, soft: Tensor,
+                          exact: bool = True) -> Tensor:
     """``‖W_o‖ ((max_j ν_j)^{1/2} + (max_j μ_j)^{1/2})``, the two paths of class
     attention (docs/math.md §9.4), from bounds ``P_bar`` ``(..., H, N)`` of the
     attention weights and ``soft`` ``(..., H)`` of ``‖a_h‖ s_h``, ``s_h`` a
     bound of the values' spread ``(Σ_j P_h[j] ‖v_hj − v̄_h‖²)^{1/2}``:
     ``ν_j = min(max_h P̄_h[j] ‖W_v‖², Σ_h P̄_h[j] ‖W_v[h]‖²)`` and ``μ_j = Σ_h
-    soft_h² P̄_h[j]``; returns shape ``(...)``. The global bound (9.4) takes
-    ``P̄_h = min(1, e^{2β_h} P⁰_h)`` and ``s_h = ‖W_v[h]‖ R``; the local one
-    (§10) the ball's."""
+    soft_h² P̄_h[j]``; returns shape ``(...)``. The value path is also at
+    most ``‖Q̄‖``, ``Q̄ = diag(‖W_v[h]‖) P̄`` ``(H × N)`` (the Kronecker bound,
+    eq. 9.5): its dense spectral norm with ``exact``, else ``(‖Q̄‖₁
+    ‖Q̄‖_∞)^{1/2}`` (training). The global bound (9.4) takes ``P̄_h = min(1,
+    e^{2β_h} P⁰_h)`` and ``s_h = ‖W_v[h]‖ R``; the local one (§10) the
+    ball's."""
     v_h = norms.value_head**2  # (H,)
     nu = torch.minimum(P_bar.amax(dim=-2) * norms.value**2,
                        (P_bar * v_h[:, None]).sum(dim=-2))  # (..., N)
+    Q = P_bar * norms.value_head[:, None]  # (..., H, N)
+    if exact:
+        Q_norm = spectral_norm(Q) * (1 + 1e-12)
+    else:
+        Q_norm = (Q.sum(dim=-2).amax(dim=-1) * Q.sum(dim=-1).amax(dim=-1)).sqrt()
+    value = torch.minimum(nu.amax(dim=-1).sqrt(), Q_norm)
     mu = (soft[..., None] ** 2 * P_bar).sum(dim=-2)  # (..., N)
-    return norms.out * (nu.amax(dim=-1).sqrt() + mu.amax(dim=-1).sqrt())
+    return norms.out * (value + mu.amax(dim=-1).sqrt())
 
 
 class ConvTokens(nn.Module):
@@ -286,17 +298,18 @@ class GatedMLP(nn.Module):
 
 class ClassAttention(nn.Module):
     """Class attention with a learned query (CaiT's class-attention layer, its
-    class token a constant): ``c = Σ_h (Σ_j P_h[j] x̂_j) W_v[h] W_o[h]``,
-    ``P_h = softmax_j(B_h[j] + a_h · x̂_j)``, ``a_h = W_k[h] q_h / √d_k``, the
-    tokens projected onto the ball of radius ``attn_radius``
-    (docs/math.md §9.4).
+    class token a constant): the class token is ``c = [(Σ_j P_h[j] x̂_j)
+    W_v[h]]_h``, the heads stacked, ``P_h = softmax_j(B_h[j] + a_h · x̂_j)``,
+    ``a_h = W_k[h] q_h / √d_k``, the tokens projected onto the ball of radius
+    ``attn_radius`` (docs/math.md §9.4).
 
     ``heads`` heads, each pooling the tokens with its own positional bias
     ``B_h`` (initialised to a Gaussian window around one token of the grid, so
     that the heads tile the image) and content logits, then mapping the
-    pooled token by ``W_v[h]`` ``(D, d_v)``; ``W_o`` maps the stacked heads to
-    width ``D``. Pooling before the value map is the same map (values are
-    linear in the tokens) at ``H·D·d_v`` instead of ``N·D·H·d_v`` operations.
+    pooled token by ``W_v[h]`` ``(D, d_v)``. No output projection: the head's
+    first layer reads the ``H·d_v`` stacked values (a ``W_o`` would merge into
+    it). Pooling before the value map is the same map (values are linear in
+    the tokens) at ``H·D·d_v`` instead of ``N·D·H·d_v`` operations.
     ``ablated`` (:func:`lipvit.ablate_attention`) removes the attention: the
     class token stays the constant it starts from, 0.
     """
@@ -308,31 +321,33 @@ class ClassAttention(nn.Module):
         D, N = cfg.embed_dim, cfg.num_patches
         H, d_k, d_v = cfg.cls_heads or N, cfg.cls_key_dim, cfg.cls_value_dim
         self.num_heads, self.key_dim, self.value_dim = H, d_k, d_v
-        self.radius = cfg.attn_radius
-        self.query = nn.Parameter(torch.randn(H, d_k) * 0.05)
+        self.radius, self.content = cfg.attn_radius, float(cfg.cls_content)
+        self.out_features = H * d_v
+        # Content logits of order one from the start (‖a_h‖ ≈ 1): attention that
+        # looks at the tokens, for training to keep or drop.
+        self.query = nn.Parameter(torch.randn(H, d_k))
         self.key = nn.Linear(D, H * d_k, bias=False)
         self.value = nn.Parameter(torch.empty(H, D, d_v))
-        self.proj = nn.Linear(H * d_v, D, bias=False)
         self.pos_bias = nn.Parameter(_tiling_bias(H, N))
         with torch.no_grad():
-            nn.init.normal_(self.key.weight, std=0.15)
+            nn.init.normal_(self.key.weight, std=1 / math.sqrt(D))
             for W in self.value:
                 nn.init.orthogonal_(W)
-            nn.init.orthogonal_(self.proj.weight)
 
     def a(self) -> Tensor:
-        """``a_h = W_k[h] q_h / √d_k``, ``(H, D)``: content logit ``a_h · x̂_j``."""
+        """``a_h = W_k[h] q_h / √d_k``, ``(H, D)``: content logit ``a_h · x̂_j``;
+        rescaled to norm ``cls_content`` where that is set."""
         W_k = self.key.weight.reshape(self.num_heads, self.key_dim, -1)  # (H, d_k, D)
-        return torch.einsum("hk,hkD->hD", self.query, W_k) / math.sqrt(self.key_dim)
-
-    def W_o(self) -> Tensor:
-        """``W_o`` per head, ``(H, d_v, D)``."""
-        return self.proj.weight.T.reshape(self.num_heads, self.value_dim, -1)
+        a = torch.einsum("hk,hkD->hD", self.query, W_k) / math.sqrt(self.key_dim)
+        if self.content:
+            a = self.content * a / torch.linalg.vector_norm(a, dim=-1, keepdim=True)
+        return a
 
     def norms(self) -> AttentionNorms:
-        """Its weights' norms, ``content = ‖a_h‖`` (:class:`AttentionNorms`)."""
-        return AttentionNorms(torch.linalg.vector_norm(self.a(), dim=-1),
-                              *value_norms(self.value, self.W_o()))
+        """Its weights' norms, ``content = ‖a_h‖``, ``out = 1`` (no ``W_o``)."""
+        v_h, v_all, _ = value_norms(self.value, None)
+        return AttentionNorms(torch.linalg.vector_norm(self.a(), dim=-1), v_h, v_all,
+                              torch.ones_like(v_all))
 
     def lipschitz(self, norms: AttentionNorms | None = None) -> Tensor:
         """Its proven constant (eq. 9.4; a scalar, differentiable), from
@@ -347,14 +362,13 @@ class ClassAttention(nn.Module):
         return torch.einsum("bnD,hD->bhn", x_hat, self.a()), x_hat
 
     def forward(self, x: Tensor) -> Tensor:
-        """The class token ``(B, D)`` read from tokens ``x`` ``(B, N, D)``."""
+        """The class token ``(B, H·d_v)`` read from tokens ``x`` ``(B, N, D)``."""
         if self.ablated:
-            return x.new_zeros(x.shape[0], self.proj.out_features)
+            return x.new_zeros(x.shape[0], self.out_features)
         S, x_hat = self.logits(x)
         P = (S + self.pos_bias).softmax(dim=-1)  # (B, H, N)
         pooled = P @ x_hat  # (B, H, D)
-        heads = torch.einsum("bhD,hDv->bhv", pooled, self.value)  # (B, H, d_v)
-        return self.proj(heads.flatten(1))
+        return torch.einsum("bhD,hDv->bhv", pooled, self.value).flatten(1)  # (B, H·d_v)
 
 
 def logit_spreads(content: Tensor, bias: Tensor, gate: Tensor, L_A: Tensor

@@ -148,8 +148,8 @@ def test_class_attention_global_constant_bounds_ascended_jacobians(seed):
 
 def test_class_attention_value_path_alone_is_the_pooling_norm():
     """With no content logits (``a = 0``) and one head of orthogonal values,
-    (9.4) is ``‖W_o‖ ‖W_v‖ (max_j P⁰[j])^{1/2}`` and the Jacobian's norm is
-    ``‖W_o W_v‖ ‖P⁰‖₂``: equal where the attention is one-hot."""
+    (9.4) is ``‖W_v‖ min((max_j P⁰[j])^{1/2}, ‖P⁰‖₂)`` and the Jacobian's norm
+    is ``‖W_v‖ ‖P⁰‖₂``: equal where the attention is one-hot."""
     cfg = cait_config(12, cls_heads=1, cls_value_dim=8)
     ca = LipschitzCaiT(cfg).double().cls_attn
     with torch.no_grad():
@@ -167,8 +167,7 @@ def test_class_attention_value_path_alone_is_the_pooling_norm():
 def features(model: LipschitzCaiT):
     """The map the last layer reads, for images ``(B, C, S, S)``."""
     def g(x):
-        return max_min(model.head_hidden(model.cls_mlp(model.cls_attn(
-            model.forward_features(x)))))
+        return max_min(model.head_hidden(model.cls_attn(model.forward_features(x))))
     return g
 
 

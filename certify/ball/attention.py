@@ -153,10 +153,10 @@ def class_attention_local(
     if exact:  # ‖(x̂_j − x̄_h) W_v[h]‖²
         e2 = _spread2(torch.einsum("bnD,hDv->bhnv", x_hat, W_v),
                       torch.einsum("bhD,hDv->bhv", centre, W_v)[..., None, :])[..., 0, :]
-    else:  # ‖x̂_j − x̄_h‖² ‖W_v[h]‖²
-        e2 = _spread2(x_hat[:, None], centre[..., None, :])[..., 0, :] * W_v_h[:, None] ** 2
+    else:  # ‖x̂_j − x̄_h‖² ‖W_v[h]‖², the tokens shared by every head
+        e2 = _spread2(x_hat, centre) * W_v_h[:, None] ** 2
     m = P_bar.amax(dim=-1)  # (B, H)
     sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
              + W_v_h * delta[:, None] * m.sqrt())
     sigma = torch.minimum(sigma, W_v_h * R)  # (B, H)
-    return class_attention_paths(norms, P_bar, a_norm * sigma)
+    return class_attention_paths(norms, P_bar, a_norm * sigma, exact)
