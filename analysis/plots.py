@@ -112,7 +112,12 @@ def plot_certified_accuracy(
 
     Args:
         curves: label → ``(x, certified accuracy)``, accuracies in ``[0, 1]``.
-            Drawn as solid lines (steps with ``step``, for curves over radii).
+            Drawn as solid lines (steps with ``step``, for curves over radii);
+            a label with "estimate" (:func:`is_estimate`) dashed beneath the
+            certificates, one with "probabilistic" (:func:`is_probabilistic`,
+            randomized smoothing: a guarantee of the smoothed classifier with
+            probability ``1 − α``, not of the network) dotted with star markers,
+            its own series.
         empirical: label → ``(ε, robust accuracy)`` under attack; drawn
             dashed. Robust accuracy under attack is an upper bound of the true
             robust accuracy, certified accuracy a lower bound.
@@ -128,8 +133,9 @@ def plot_certified_accuracy(
     styles = styles or {}
     fig, axes = new_figure(width=9.0)
     ax = axes[0, 0]
-    # Estimates first, dashed and underneath; sound curves solid and on top.
-    order = sorted(curves.items(), key=lambda kv: not is_estimate(kv[0]))
+    # Estimates first, dashed and underneath; then the probabilistic curves,
+    # dotted; sound curves solid and on top.
+    order = sorted(curves.items(), key=lambda kv: _layer(kv[0]))
     xs = []
     for label, (x, acc) in order:
         x = np.asarray(x, dtype=float)
@@ -138,12 +144,15 @@ def plot_certified_accuracy(
         shown = label + (" — 0 at every ε" if np.all(acc == 0) else "")
         shown += "".join(f" — same as {other}, drawn over it" for other in
                          _covering(label, x, acc, order, curves))
-        estimate = is_estimate(label)
+        estimate, probabilistic = is_estimate(label), is_probabilistic(label)
         kw = {"linewidth": 1.4 if estimate else 1.9, **styles.get(label, {}),
-              "zorder": 2 if estimate else 3}
-        kw["linestyle"] = "--" if estimate else kw.get("linestyle", "-")
+              "zorder": 2 + _layer(label) / 2}
+        kw["linestyle"] = "--" if estimate else ":" if probabilistic else kw.get(
+            "linestyle", "-")
         if estimate:
             kw["alpha"] = 0.8
+        if probabilistic:
+            kw["marker"] = "*"
         if step:
             kw.pop("marker", None)
             ax.step(x, acc, where="post", label=shown, **kw)
@@ -189,6 +198,7 @@ def plot_certification_gap(
     *,
     first_order: ArrayLike | None = None,
     estimates: Collection[str] = (),
+    probabilistic: Collection[str] = (),
     log: bool | None = None,
     title: str | None = None,
     path: PathLike | None = None,
@@ -212,6 +222,10 @@ def plot_certification_gap(
             labelled as an estimate; ``None`` to omit.
         estimates: methods whose radii are estimates (hollow markers, drawn
             beneath the certificates, labelled).
+        probabilistic: methods whose radii are a smoothed classifier's, with
+            probability ``1 − α`` (randomized smoothing): star markers,
+            labelled; they are not the network's radii, so they may lie above
+            ``y = x`` when the attack radius is the network's.
         log: log-log axes; ``None`` when the values span decades.
         path, pdf: where to save (see :func:`save_figure`).
     """
@@ -243,7 +257,8 @@ def plot_certification_gap(
     fig, axes = new_figure(6.4, 5.6)
     ax = axes[0, 0]
     ax.fill_between([lo, hi], [lo, hi], [hi, hi], color="0.92", linewidth=0,
-                    zorder=0, label="above y = x: impossible for a sound radius")
+                    zorder=0, label="above y = x: impossible for a sound radius"
+                    + (" of the network" if set(probabilistic) & set(cert) else ""))
     ax.plot([lo, hi], [lo, hi], color="black", linestyle="--", linewidth=1.2,
             zorder=1, label="y = x (attack radius)")
     markers = "osD^P*"
@@ -254,9 +269,12 @@ def plot_certification_gap(
         estimate = m in estimates
         colour = f"C{k % 10}"
         ratio = median_ratio(r_k, a_k)
-        label = (f"{m}{' (estimate)' if estimate else ''}: median certified/attack "
+        kind = (" (probabilistic: smoothed classifier)" if m in probabilistic
+                else " (estimate)" if estimate else "")
+        label = (f"{m}{kind}: median certified/attack "
                  f"{ratio:.3g}, {int(pos.sum())}/{pos.size} certified")
-        style = {"marker": markers[k % len(markers)], "s": 22,
+        marker = "*" if m in probabilistic else markers[k % len(markers)]
+        style = {"marker": marker, "s": 40 if m in probabilistic else 22,
                  "edgecolors": colour, "linewidths": 1.0,
                  "facecolors": "none" if estimate else colour,
                  "zorder": 2 if estimate else 4}
@@ -302,6 +320,33 @@ def plot_certification_gap(
 def is_estimate(label: str) -> bool:
     """A curve labelled as an estimate (not a certificate): drawn dashed, below."""
     return "estimate" in label
+
+
+def is_probabilistic(label: str) -> bool:
+    """A curve labelled as a probabilistic guarantee (randomized smoothing: the
+    smoothed classifier, with probability ``1 − α``): drawn dotted, its own
+    series, never merged with the deterministic certificates."""
+    return "probabilistic" in label
+
+
+PROBABILISTIC = "probabilistic: smoothed classifier"
+"""What a ``smoothing`` series' label says (:func:`probabilistic_label`)."""
+
+
+def probabilistic_label(method: str, sigma: float | None = None,
+                        alpha: float | None = None) -> str:
+    """``smoothing (probabilistic: smoothed classifier, σ = 0.25, 1 − α = 0.999)``."""
+    parts = [PROBABILISTIC]
+    if sigma is not None:
+        parts.append(f"σ = {sigma:g}")
+    if alpha is not None:
+        parts.append(f"1 − α = {1 - alpha:g}")
+    return f"{method} ({', '.join(parts)})"
+
+
+def _layer(label: str) -> int:
+    """Drawing order: estimates 0, probabilistic guarantees 1, certificates 2."""
+    return 0 if is_estimate(label) else 1 if is_probabilistic(label) else 2
 
 
 def _fit_x(ax, x: np.ndarray, log: bool) -> None:

@@ -4,6 +4,7 @@ JSON's round trip and shards."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from statistics import NormalDist
@@ -11,6 +12,12 @@ from statistics import NormalDist
 import pytest
 import torch
 from click.testing import CliRunner
+from lipvit.analysis.gap import join, summary_rows, violations
+from lipvit.analysis.plots import (
+    plot_certification_gap,
+    plot_certified_accuracy,
+    probabilistic_label,
+)
 from lipvit.analysis.smoothing_attack import (
     SmoothAttackSettings,
     smooth_pgd,
@@ -32,7 +39,7 @@ from torch import Tensor, nn
 from lipvit.checkpoint import save_checkpoint
 from lipvit.cli import main
 from lipvit.model import ViT
-from lipvit.train import TrainConfig, train
+from lipvit.train import TrainConfig
 
 SIGMA = 0.25
 PHI_INV = NormalDist().inv_cdf  # the standard normal quantile, without scipy
@@ -259,27 +266,33 @@ def test_certify_samples_labels_the_guarantee(noisy_vit, digits):
 
 
 @pytest.fixture(scope="module")
-def noisy_ckpt(small_digits, tmp_path_factory):
-    from conftest import tiny_config
-
+def noisy_ckpt(noisy_vit, tmp_path_factory):
+    """:func:`noisy_vit` saved with its noise in the training configuration."""
     out = tmp_path_factory.mktemp("smoothing") / "noisy.pt"
-    cfg = tiny_config("standard", mean=small_digits.mean, std=small_digits.std)
-    train(cfg, TrainConfig(epochs=2, batch_size=100, lr=3e-3, noise_sd=SIGMA,
-                           device="cpu"), small_digits, out, progress=False)
+    save_checkpoint(out, noisy_vit, train_config=TrainConfig(noise_sd=SIGMA),
+                    dataset="digits")
     return out
 
 
-def test_cli_json_round_trip(noisy_ckpt, tmp_path):
-    # Every count is in the JSON, and p_lower, the radius and every certified
-    # flag recompute from them; the row's certified accuracy is their mean.
-    out = tmp_path / "smooth.json"
+@pytest.fixture(scope="module")
+def smooth_run(noisy_ckpt, tmp_path_factory):
+    """`certify --method smoothing,lofast --radius --json` on 6 points, and its
+    printed output."""
+    out = tmp_path_factory.mktemp("smooth_run") / "smooth.json"
     result = CliRunner().invoke(main, [
         "certify", "--ckpt", str(noisy_ckpt), "--eps", "0.1,0.25", "--method",
-        "smoothing", "--n", "6", "--n0", "20", "--n-noise", "400", "--json",
-        str(out), "--csv", str(tmp_path / "smooth.csv")])
+        "smoothing,lofast", "--radius", "--n", "6", "--n0", "20", "--n-noise", "400",
+        "--json", str(out), "--csv", str(out.with_suffix(".csv"))])
     assert result.exit_code == 0, result.output
-    assert "no (probabilistic)" in result.output
-    assert "smoothed classifier" in result.output
+    return out, result.output
+
+
+def test_cli_json_round_trip(smooth_run):
+    # Every count is in the JSON, and p_lower, the radius and every certified
+    # flag recompute from them; the row's certified accuracy is their mean.
+    out, output = smooth_run
+    assert "no (probabilistic)" in output
+    assert "smoothed classifier" in output
     data = json.loads(out.read_text())
     assert data["smoothing"]["sigma"] == SIGMA  # the checkpoint's --noise-sd
     assert "probabilistic" in data["smoothing"]["guarantee"]
@@ -287,7 +300,7 @@ def test_cli_json_round_trip(noisy_ckpt, tmp_path):
     cfg = SmoothingConfig(**{k: data["smoothing"][k] for k in
                              ("sigma", "n0", "n_noise", "alpha", "batch_size",
                               "seed")})
-    for row in data["results"]:
+    for row in (r for r in data["results"] if r["method"] == "smoothing"):
         assert (row["guarantee"], row["exact"]) == ("probabilistic", False)
         assert (row["sigma"], row["alpha"], row["n0"], row["n_noise"]) == (
             SIGMA, 0.001, 20, 400)
@@ -301,6 +314,58 @@ def test_cli_json_round_trip(noisy_ckpt, tmp_path):
             assert s["certified"][f"smoothing@{row['eps']}"] == ok
             flags.append(ok)
         assert row["certified_accuracy"] == pytest.approx(sum(flags) / len(flags))
+    for s in data["samples"]:  # radii: the smoothed radius where it is right
+        sm = s["smoothing"]
+        want = sm["radius"] if sm["prediction"] == s["label"] else 0.0
+        assert s["radii"]["smoothing"] == want
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    assert {r["guarantee"] for r in rows if r["method"] == "smoothing"} == {
+        "probabilistic"}
+
+
+def test_plot_certified_draws_smoothing_as_its_own_labelled_series(smooth_run,
+                                                                     tmp_path):
+    out, _ = smooth_run
+    for x_axis in ("eps", "radius"):
+        figure = tmp_path / f"{x_axis}.png"
+        result = CliRunner().invoke(main, ["plot", "certified", str(out), "--out",
+                                           str(figure), "--x", x_axis])
+        assert result.exit_code == 0, result.output
+        labels = [line.split("  ")[0] for line in result.output.splitlines()[2:-1]]
+        smooth = [lab for lab in labels if "smoothing" in lab]
+        assert len(smooth) == 1 and "probabilistic: smoothed classifier" in smooth[0]
+        assert "σ = 0.25" in smooth[0] and "1 − α = 0.999" in smooth[0]
+        assert any("lofast" in lab and "probabilistic" not in lab for lab in labels)
+    curves = {"lofast": ([0.1, 0.25], [0.5, 0.1]),
+              probabilistic_label("smoothing", 0.25, 0.001): ([0.1, 0.25], [0.8, 0.6])}
+    ax = plot_certified_accuracy(curves).axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    smooth = next(ln for lab, ln in lines.items() if "smoothing" in lab)
+    assert smooth.get_linestyle() == ":" and smooth.get_marker() == "*"
+    assert lines["lofast"].get_linestyle() == "-"
+    assert lines["lofast"].get_zorder() > smooth.get_zorder()
+
+
+def test_gap_labels_smoothing_and_never_counts_it_as_a_violation(smooth_run):
+    # The smoothed classifier's radius may exceed the network's attack radius:
+    # labelled probabilistic, drawn as stars, not a violation of soundness.
+    out, _ = smooth_run
+    cert = json.loads(out.read_text())
+    attack = {"samples": [{"index": s["index"], "label": s["label"],
+                           "prediction": s["prediction"], "radius": 1e-4,
+                           "first_order_limit": 1e-4} for s in cert["samples"]]}
+    gap = join(cert, attack)
+    assert gap.probabilistic == {"smoothing"} and "smoothing" not in gap.estimates
+    assert "smoothing" not in violations(gap)
+    assert any(gap.certified["smoothing"] > 1e-4)
+    labels = {r.method: r.label for r in summary_rows(gap)}
+    assert labels["smoothing"] == "smoothing (probabilistic: smoothed classifier)"
+    assert labels["lofast"] == "lofast"
+    fig = plot_certification_gap(gap.attack, gap.certified,
+                                 probabilistic=gap.probabilistic)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any(t.startswith("smoothing (probabilistic") for t in legend)
+    assert any("sound radius of the network" in t for t in legend)
 
 
 @pytest.mark.parametrize("args, message", [
