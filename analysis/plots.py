@@ -105,6 +105,8 @@ def plot_certified_accuracy(
     title: str | None = None,
     step: bool = False,
     styles: Mapping[str, Mapping[str, Any]] | None = None,
+    ax: Any = None,
+    legend_below: bool = False,
     path: PathLike | None = None,
     pdf: bool = False,
 ) -> Figure:
@@ -126,13 +128,19 @@ def plot_certified_accuracy(
         styles: label → matplotlib line keywords (``color``, ``marker``,
             ``linestyle``, ...) overriding the defaults, e.g. one colour per
             method and one marker per run.
+        ax: draw into these axes (a panel of a larger figure, e.g. from
+            :func:`new_figure`) instead of a new figure; its figure is returned.
+        legend_below: the legend under the axes (long labels) instead of
+            beside them.
         path, pdf: where to save (see :func:`save_figure`).
     """
     if not curves and not empirical:
         raise ValueError("nothing to plot: no curves given")
     styles = styles or {}
-    fig, axes = new_figure(width=9.0)
-    ax = axes[0, 0]
+    if ax is None:
+        fig, axes = new_figure(width=9.0)
+        ax = axes[0, 0]
+    fig = ax.figure
     # Estimates first, dashed and underneath; then the probabilistic curves,
     # dotted; sound curves solid and on top.
     order = sorted(curves.items(), key=lambda kv: _layer(kv[0]))
@@ -172,9 +180,13 @@ def plot_certified_accuracy(
     ax.set_ylim(0, 1.02)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.grid(True, which="both", alpha=0.3)
-    # Beside the axes: no curve is ever hidden under the legend.
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
-              borderaxespad=0.0)
+    # Beside (or below) the axes: no curve is ever hidden under the legend.
+    if legend_below:
+        ax.legend(fontsize="x-small", loc="upper center",
+                  bbox_to_anchor=(0.5, -0.14), borderaxespad=0.0)
+    else:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  borderaxespad=0.0)
     if title:
         ax.set_title(title)
     return _finish(fig, path, pdf)

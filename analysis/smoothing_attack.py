@@ -185,7 +185,7 @@ def smoothed_attack_radius(model: nn.Module, x: Tensor, y: Tensor,
     B = x.shape[0]
     K = int(model.config.num_classes) if hasattr(model, "config") else int(
         f(x[:1]).shape[1])
-    max_radius = s.max_radius or float(x[0].numel() ** 0.5)
+    max_radius = s.max_radius or float(x.shape[1:].numel() ** 0.5)
     gen = torch.Generator(device=device)
     gen.manual_seed(s.seed)
     lo = torch.zeros(B, dtype=torch.float64)
