@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lipvit.certify.smoothing import base_classifier, predict_smoothed
+from lipvit.certify.smoothing import base_classifier, check_noise, predict_smoothed
 from torch import Tensor, nn
 
 
@@ -62,14 +62,11 @@ class SmoothAttackSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.sigma) and self.sigma > 0):
-            raise ValueError(f"sigma must be finite and > 0, got {self.sigma}")
+        check_noise(self.sigma, self.alpha)
         for key in ("steps", "m", "n_predict", "max_probes", "batch_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if not 0 < self.alpha < 1:
-            raise ValueError(f"alpha must lie in (0, 1), got {self.alpha}")
         if not 0 < self.rtol < 1:
             raise ValueError(f"rtol must lie in (0, 1), got {self.rtol}")
 

@@ -61,6 +61,19 @@ GUARANTEE = "probabilistic"
 classifier that holds with probability ``≥ 1 − α`` per point."""
 
 
+def _real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_noise(sigma: float, alpha: float) -> None:
+    """Refuse (``ValueError``, one line) a noise σ that is not finite and
+    positive, or a failure probability α outside ``(0, 1)``."""
+    if not (_real(sigma) and math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"smoothing: sigma must be finite and > 0, got {sigma}")
+    if not (_real(alpha) and 0 < alpha < 1):
+        raise ValueError(f"smoothing: alpha must lie in (0, 1), got {alpha}")
+
+
 @dataclass(frozen=True)
 class SmoothingConfig:
     """Settings of CERTIFY (Cohen et al. 2019, §3.2), validated here.
@@ -82,14 +95,7 @@ class SmoothingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.sigma, bool) or not (
-                isinstance(self.sigma, int | float) and math.isfinite(self.sigma)
-                and self.sigma > 0):
-            raise ValueError(f"smoothing: sigma must be finite and > 0, got "
-                             f"{self.sigma}")
-        if isinstance(self.alpha, bool) or not (
-                isinstance(self.alpha, int | float) and 0 < self.alpha < 1):
-            raise ValueError(f"smoothing: alpha must lie in (0, 1), got {self.alpha}")
+        check_noise(self.sigma, self.alpha)
         for name, flag in (("n0", "--n0"), ("n_noise", "--n-noise"),
                            ("batch_size", "--batch-size"), ("seed", "--seed")):
             value = getattr(self, name)
