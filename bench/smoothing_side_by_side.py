@@ -10,8 +10,9 @@ same test points of one Fashion-MNIST standard ViT trained under noise:
   ``--n-noise`` estimation draws): probabilistic, the smoothed classifier;
 - ``taylor`` and ``crown`` on the network itself, where they fit: ``taylor``
   on the first ``--taylor-n`` of the points, ``crown`` on the first
-  ``--crown-n`` within ``--crown-timeout`` seconds (``--n`` k takes the first
-  k of the same seeded permutation, so these are subsets of the points);
+  ``--crown-n`` within ``--crown-timeout`` seconds and ``--crown-memory`` GB
+  of address space (``--n`` k takes the first k of the same seeded
+  permutation, so these are subsets of the points);
 - attack radii: on the network (``lipvit attack --radius``, PGD-ℓ2 and APGD)
   and against the smoothed classifier (Salman et al. 2019's noise-averaged
   PGD, :mod:`lipvit.analysis.smoothing_attack`, on the points it classifies
@@ -20,8 +21,9 @@ same test points of one Fashion-MNIST standard ViT trained under noise:
 It also runs one lipschitz-family model (``--lip-ckpt``, or the digits
 lipschitz model it trains: ``lipvit train --family lipschitz --msvp 1e-3``,
 without noise) on ``--lip-n`` points: ``taylor`` on the network and
-``smoothing`` at the same σ, with both attack radii. Every step is a ``lipvit`` command (printed) or one library call,
-writing its JSON under ``--out``; a rerun skips the steps whose JSON exists.
+``smoothing`` at the same σ, with both attack radii. Every step is a
+``lipvit`` command (printed) or one library call, writing its JSON under
+``--out``; a rerun skips the steps whose JSON exists.
 It prints one markdown table and writes ``--figure`` (certified accuracy
 against ε, attacks as empirical ceilings) and ``--json``.
 
@@ -41,6 +43,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import sys
@@ -58,17 +61,26 @@ from lipvit.commands import _common as C
 
 GRID = (0.0002, 0.0005, 0.001, 0.01, 0.1, 0.25, 0.5, 1.0)
 TABLE_EPS = (0.001, 0.1, 0.25, 0.5, 1.0)
+CROWN_EPS = (0.001, 0.01)  # CROWN runs once per (point, ε): minutes each here
 
 
-def run(args: list[str], timeout: float | None = None) -> bool:
+def run(args: list[str], timeout: float | None = None,
+        memory_gb: float | None = None) -> bool:
     """Run ``python -m lipvit ARGS`` on one thread (printed first); False when it
-    ran past ``timeout`` or failed (its last lines printed)."""
+    ran past ``timeout``, past ``memory_gb`` of address space (an allocation
+    fails in it, rather than the kernel killing some process of the machine)
+    or failed otherwise (its last lines printed)."""
     cmd = [sys.executable, "-m", "lipvit", *args]
     print("$ lipvit " + shlex.join(args), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def cap() -> None:
+        limit = int(memory_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, preexec_fn=cap if memory_gb else None)
     except subprocess.TimeoutExpired:
         print(f"  (stopped after {timeout:.0f} s: does not fit)", flush=True)
         return False
@@ -86,13 +98,14 @@ def eps_text(values) -> str:
 
 
 def certify(ckpt: Path, out: Path, method: list[str], n: int, extra: list[str] = (),
-            timeout: float | None = None) -> dict | None:
-    """``lipvit certify --radius`` at every ε of :data:`GRID` (its JSON, or None
-    where it did not finish)."""
+            timeout: float | None = None, eps=GRID,
+            memory_gb: float | None = None) -> dict | None:
+    """``lipvit certify --radius`` at every ``eps`` (its JSON, or None where it
+    did not finish)."""
     if not out.exists():
-        run(["certify", "--ckpt", str(ckpt), "--eps", eps_text(GRID), "--method",
+        run(["certify", "--ckpt", str(ckpt), "--eps", eps_text(eps), "--method",
              ",".join(method), "--n", str(n), "--radius", *extra, "--json", str(out)],
-            timeout)
+            timeout, memory_gb)
     return json.loads(out.read_text()) if out.exists() else None
 
 
@@ -172,7 +185,10 @@ def main() -> None:
     p.add_argument("--n-noise", type=int, default=10_000)
     p.add_argument("--taylor-n", type=int, default=20)
     p.add_argument("--crown-n", type=int, default=2)
-    p.add_argument("--crown-timeout", type=float, default=900.0)
+    p.add_argument("--crown-timeout", type=float, default=1200.0)
+    p.add_argument("--crown-memory", type=float, default=12.0,
+                   help="GB of address space CROWN may take (it grew past 16 GB "
+                        "on one Fashion-MNIST point here)")
     p.add_argument("--smooth-attack-n", type=int, default=100)
     p.add_argument("--lip-n", type=int, default=40)
     p.add_argument("--figure", type=Path, default=None)
@@ -196,7 +212,8 @@ def main() -> None:
     res["std_taylor"] = certify(std, a.out / "std-taylor.json", ["taylor"],
                                 a.taylor_n)
     res["std_crown"] = certify(std, a.out / "std-crown.json", ["crown"], a.crown_n,
-                               timeout=a.crown_timeout)
+                               timeout=a.crown_timeout, eps=CROWN_EPS,
+                               memory_gb=a.crown_memory)
     res["std_attack"] = network_attack(std, a.out / "std-attack.json", a.n)
     res["std_smooth_attack"] = smoothed_attack(
         std, res["std_smoothing"], a.out / "std-smooth-attack.json", a.sigma,
