@@ -106,7 +106,7 @@ def plot_certified_accuracy(
     step: bool = False,
     styles: Mapping[str, Mapping[str, Any]] | None = None,
     ax: Any = None,
-    legend_below: bool = False,
+    legend_below: bool | None = None,
     path: PathLike | None = None,
     pdf: bool = False,
 ) -> Figure:
@@ -130,8 +130,9 @@ def plot_certified_accuracy(
             method and one marker per run.
         ax: draw into these axes (a panel of a larger figure, e.g. from
             :func:`new_figure`) instead of a new figure; its figure is returned.
-        legend_below: the legend under the axes (long labels) instead of
-            beside them.
+        legend_below: the legend under the axes instead of beside them;
+            ``None``: below where a label is longer than :data:`LONG_LABEL`
+            characters (beside, it would squeeze the axes).
         path, pdf: where to save (see :func:`save_figure`).
     """
     if not curves and not empirical:
@@ -181,6 +182,8 @@ def plot_certified_accuracy(
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.grid(True, which="both", alpha=0.3)
     # Beside (or below) the axes: no curve is ever hidden under the legend.
+    if legend_below is None:
+        legend_below = max(map(len, ax.get_legend_handles_labels()[1])) > LONG_LABEL
     if legend_below:
         ax.legend(fontsize="x-small", loc="upper center",
                   bbox_to_anchor=(0.5, -0.14), borderaxespad=0.0)
@@ -190,6 +193,11 @@ def plot_certified_accuracy(
     if title:
         ax.set_title(title)
     return _finish(fig, path, pdf)
+
+
+LONG_LABEL = 60
+"""Legend labels longer than this put :func:`plot_certified_accuracy`'s legend
+under the axes."""
 
 
 def _covering(label: str, x: np.ndarray, acc: np.ndarray, order: list,
