@@ -9,6 +9,11 @@ method ``certified ≤ true radius ≤ attack radius`` on every sample; the rati
 ``certified / attack`` measures how much of the true radius a certificate
 reaches (1 would be exact).
 
+A ``smoothing`` radius (randomized smoothing, rows with ``guarantee =
+"probabilistic"``) is the *smoothed* classifier's, with probability ``1 − α``;
+the attack radius is the network's, so it may lie above it without any
+contradiction: such methods are labelled and never counted as violations.
+
 Medians are taken over the correctly classified samples with an adversarial
 point found (``0 < attack < ∞``), uncertified samples counting with radius 0;
 :func:`summary_rows` also gives them over the certified samples alone.
@@ -34,6 +39,8 @@ class Gap:
     first_order: np.ndarray  # (n,) first-order limit (estimate)
     certified: dict[str, np.ndarray]  # method -> (n,) certified radius
     estimates: frozenset[str]  # methods whose radii are estimates, not bounds
+    # methods whose radii are the smoothed classifier's, with probability 1 - α
+    probabilistic: frozenset[str] = frozenset()
 
     @property
     def usable(self) -> np.ndarray:
@@ -53,6 +60,15 @@ class GapRow:
     median_ratio: float | None
     median_first_order: float | None
     estimate: bool
+    probabilistic: bool = False
+
+    @property
+    def label(self) -> str:
+        """The method as tables name it: ``(estimate)`` or ``(probabilistic:
+        smoothed classifier)`` added where it is not a deterministic bound."""
+        if self.probabilistic:
+            return f"{self.method} (probabilistic: smoothed classifier)"
+        return self.method + (" (estimate)" if self.estimate else "")
 
 
 def _samples(data: Any, name: str, needs: tuple[str, ...]) -> dict[int, Mapping]:
@@ -113,8 +129,12 @@ def join(certify: Any, attack: Any, certify_name: str = "certify results",
             raise LipvitError(f"{certify_name}: no radii of method {m!r} on every "
                               f"sample (methods: {', '.join(available)})")
     results = certify.get("results") or []
+    probabilistic = frozenset(r.get("method") for r in results
+                              if isinstance(r, Mapping)
+                              and r.get("guarantee") == "probabilistic")
     estimates = frozenset(r.get("method") for r in results
-                          if isinstance(r, Mapping) and r.get("exact") is False)
+                          if isinstance(r, Mapping) and r.get("exact") is False
+                          ) - probabilistic
     return Gap(
         index=index,
         attack=np.array([_radius(att[i]["radius"], f"attack radius of sample {i}")
@@ -125,6 +145,7 @@ def join(certify: Any, attack: Any, certify_name: str = "certify results",
                                         f"{m} radius of sample {i}") for i in index])
                    for m in methods},
         estimates=estimates & set(methods),
+        probabilistic=probabilistic & set(methods),
     )
 
 
@@ -151,12 +172,15 @@ def summary_rows(gap: Gap) -> list[GapRow]:
                 median_attack=_median(gap.attack[keep]),
                 median_ratio=median_ratio(cert[keep], gap.attack[keep]),
                 median_first_order=_median(gap.first_order[keep]),
-                estimate=m in gap.estimates))
+                estimate=m in gap.estimates,
+                probabilistic=m in gap.probabilistic))
     return rows
 
 
 def violations(gap: Gap) -> dict[str, int]:
     """Per sound method, the samples whose certified radius exceeds the attack
-    radius (impossible for a sound certificate; float rounding aside)."""
+    radius (impossible for a sound certificate; float rounding aside). Neither
+    estimates nor probabilistic radii (another classifier's) are counted."""
     return {m: int((cert > gap.attack * (1 + 1e-9)).sum())
-            for m, cert in gap.certified.items() if m not in gap.estimates}
+            for m, cert in gap.certified.items()
+            if m not in gap.estimates | gap.probabilistic}

@@ -105,6 +105,8 @@ def plot_certified_accuracy(
     title: str | None = None,
     step: bool = False,
     styles: Mapping[str, Mapping[str, Any]] | None = None,
+    ax: Any = None,
+    legend_below: bool | None = None,
     path: PathLike | None = None,
     pdf: bool = False,
 ) -> Figure:
@@ -112,7 +114,12 @@ def plot_certified_accuracy(
 
     Args:
         curves: label → ``(x, certified accuracy)``, accuracies in ``[0, 1]``.
-            Drawn as solid lines (steps with ``step``, for curves over radii).
+            Drawn as solid lines (steps with ``step``, for curves over radii);
+            a label with "estimate" (:func:`is_estimate`) dashed beneath the
+            certificates, one with "probabilistic" (:func:`is_probabilistic`,
+            randomized smoothing: a guarantee of the smoothed classifier with
+            probability ``1 − α``, not of the network) dotted with star markers,
+            its own series.
         empirical: label → ``(ε, robust accuracy)`` under attack; drawn
             dashed. Robust accuracy under attack is an upper bound of the true
             robust accuracy, certified accuracy a lower bound.
@@ -121,15 +128,23 @@ def plot_certified_accuracy(
         styles: label → matplotlib line keywords (``color``, ``marker``,
             ``linestyle``, ...) overriding the defaults, e.g. one colour per
             method and one marker per run.
+        ax: draw into these axes (a panel of a larger figure, e.g. from
+            :func:`new_figure`) instead of a new figure; its figure is returned.
+        legend_below: the legend under the axes instead of beside them;
+            ``None``: below where a label is longer than :data:`LONG_LABEL`
+            characters (beside, it would squeeze the axes).
         path, pdf: where to save (see :func:`save_figure`).
     """
     if not curves and not empirical:
         raise ValueError("nothing to plot: no curves given")
     styles = styles or {}
-    fig, axes = new_figure(width=9.0)
-    ax = axes[0, 0]
-    # Estimates first, dashed and underneath; sound curves solid and on top.
-    order = sorted(curves.items(), key=lambda kv: not is_estimate(kv[0]))
+    if ax is None:
+        fig, axes = new_figure(width=9.0)
+        ax = axes[0, 0]
+    fig = ax.figure
+    # Estimates first, dashed and underneath; then the probabilistic curves,
+    # dotted; sound curves solid and on top.
+    order = sorted(curves.items(), key=lambda kv: _layer(kv[0]))
     xs = []
     for label, (x, acc) in order:
         x = np.asarray(x, dtype=float)
@@ -138,12 +153,15 @@ def plot_certified_accuracy(
         shown = label + (" — 0 at every ε" if np.all(acc == 0) else "")
         shown += "".join(f" — same as {other}, drawn over it" for other in
                          _covering(label, x, acc, order, curves))
-        estimate = is_estimate(label)
+        estimate, probabilistic = is_estimate(label), is_probabilistic(label)
         kw = {"linewidth": 1.4 if estimate else 1.9, **styles.get(label, {}),
-              "zorder": 2 if estimate else 3}
-        kw["linestyle"] = "--" if estimate else kw.get("linestyle", "-")
+              "zorder": 2 + _layer(label) / 2}
+        kw["linestyle"] = "--" if estimate else ":" if probabilistic else kw.get(
+            "linestyle", "-")
         if estimate:
             kw["alpha"] = 0.8
+        if probabilistic:
+            kw["marker"] = "*"
         if step:
             kw.pop("marker", None)
             ax.step(x, acc, where="post", label=shown, **kw)
@@ -163,12 +181,23 @@ def plot_certified_accuracy(
     ax.set_ylim(0, 1.02)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.grid(True, which="both", alpha=0.3)
-    # Beside the axes: no curve is ever hidden under the legend.
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
-              borderaxespad=0.0)
+    # Beside (or below) the axes: no curve is ever hidden under the legend.
+    if legend_below is None:
+        legend_below = max(map(len, ax.get_legend_handles_labels()[1])) > LONG_LABEL
+    if legend_below:
+        ax.legend(fontsize="x-small", loc="upper center",
+                  bbox_to_anchor=(0.5, -0.14), borderaxespad=0.0)
+    else:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  borderaxespad=0.0)
     if title:
         ax.set_title(title)
     return _finish(fig, path, pdf)
+
+
+LONG_LABEL = 60
+"""Legend labels longer than this put :func:`plot_certified_accuracy`'s legend
+under the axes."""
 
 
 def _covering(label: str, x: np.ndarray, acc: np.ndarray, order: list,
@@ -189,6 +218,7 @@ def plot_certification_gap(
     *,
     first_order: ArrayLike | None = None,
     estimates: Collection[str] = (),
+    probabilistic: Collection[str] = (),
     log: bool | None = None,
     title: str | None = None,
     path: PathLike | None = None,
@@ -212,6 +242,10 @@ def plot_certification_gap(
             labelled as an estimate; ``None`` to omit.
         estimates: methods whose radii are estimates (hollow markers, drawn
             beneath the certificates, labelled).
+        probabilistic: methods whose radii are a smoothed classifier's, with
+            probability ``1 − α`` (randomized smoothing): star markers,
+            labelled; they are not the network's radii, so they may lie above
+            ``y = x`` when the attack radius is the network's.
         log: log-log axes; ``None`` when the values span decades.
         path, pdf: where to save (see :func:`save_figure`).
     """
@@ -243,7 +277,8 @@ def plot_certification_gap(
     fig, axes = new_figure(6.4, 5.6)
     ax = axes[0, 0]
     ax.fill_between([lo, hi], [lo, hi], [hi, hi], color="0.92", linewidth=0,
-                    zorder=0, label="above y = x: impossible for a sound radius")
+                    zorder=0, label="above y = x: impossible for a sound radius"
+                    + (" of the network" if set(probabilistic) & set(cert) else ""))
     ax.plot([lo, hi], [lo, hi], color="black", linestyle="--", linewidth=1.2,
             zorder=1, label="y = x (attack radius)")
     markers = "osD^P*"
@@ -254,9 +289,12 @@ def plot_certification_gap(
         estimate = m in estimates
         colour = f"C{k % 10}"
         ratio = median_ratio(r_k, a_k)
-        label = (f"{m}{' (estimate)' if estimate else ''}: median certified/attack "
+        kind = (" (probabilistic: smoothed classifier)" if m in probabilistic
+                else " (estimate)" if estimate else "")
+        label = (f"{m}{kind}: median certified/attack "
                  f"{ratio:.3g}, {int(pos.sum())}/{pos.size} certified")
-        style = {"marker": markers[k % len(markers)], "s": 22,
+        marker = "*" if m in probabilistic else markers[k % len(markers)]
+        style = {"marker": marker, "s": 40 if m in probabilistic else 22,
                  "edgecolors": colour, "linewidths": 1.0,
                  "facecolors": "none" if estimate else colour,
                  "zorder": 2 if estimate else 4}
@@ -302,6 +340,33 @@ def plot_certification_gap(
 def is_estimate(label: str) -> bool:
     """A curve labelled as an estimate (not a certificate): drawn dashed, below."""
     return "estimate" in label
+
+
+def is_probabilistic(label: str) -> bool:
+    """A curve labelled as a probabilistic guarantee (randomized smoothing: the
+    smoothed classifier, with probability ``1 − α``): drawn dotted, its own
+    series, never merged with the deterministic certificates."""
+    return "probabilistic" in label
+
+
+PROBABILISTIC = "probabilistic: smoothed classifier"
+"""What a ``smoothing`` series' label says (:func:`probabilistic_label`)."""
+
+
+def probabilistic_label(method: str, sigma: float | None = None,
+                        alpha: float | None = None) -> str:
+    """``smoothing (probabilistic: smoothed classifier, σ = 0.25, 1 − α = 0.999)``."""
+    parts = [PROBABILISTIC]
+    if sigma is not None:
+        parts.append(f"σ = {sigma:g}")
+    if alpha is not None:
+        parts.append(f"1 − α = {1 - alpha:g}")
+    return f"{method} ({', '.join(parts)})"
+
+
+def _layer(label: str) -> int:
+    """Drawing order: estimates 0, probabilistic guarantees 1, certificates 2."""
+    return 0 if is_estimate(label) else 1 if is_probabilistic(label) else 2
 
 
 def _fit_x(ax, x: np.ndarray, log: bool) -> None:

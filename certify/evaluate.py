@@ -8,8 +8,15 @@ Methods: ``lofast`` (exact ζ and ‖M_h‖, every number an upper bound),
 auto_LiRPA's optimised ReLU slopes for the margins), ``cascade`` (``lofast`` first,
 CROWN only on the correctly classified samples ``lofast`` left uncertified),
 ``taylor`` (first-order-exact margins with certified remainders,
-:mod:`lipvit.certify.taylor.certificate`, docs/taylor.md) and ``cascade-taylor``
-(``taylor`` first, CROWN on the rest). """
+:mod:`lipvit.certify.taylor.certificate`, docs/taylor.md), ``cascade-taylor``
+(``taylor`` first, CROWN on the rest), ``global`` (the hybrid ViT's proven
+global constant) and ``smoothing`` (Cohen et al.'s randomized smoothing,
+:mod:`lipvit.certify.smoothing`: a **probabilistic** certificate of the smoothed
+classifier, not of the network; its rows say ``guarantee = "probabilistic"``).
+
+Every result row carries a ``guarantee``: ``"deterministic"`` (a proof for the
+network itself on the whole ball), ``"estimate"`` (``lofast-fast``: no
+guarantee) or ``"probabilistic"`` (``smoothing``). """
 
 from __future__ import annotations
 
@@ -36,6 +43,12 @@ from lipvit.certify.global_bound import (
 )
 from lipvit.certify.lofast.network import METHODS as BOUND_METHODS
 from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.smoothing import (
+    GUARANTEE,
+    SmoothingCertificate,
+    SmoothingConfig,
+    certify_smoothed,
+)
 from lipvit.certify.taylor.certificate import taylor_bound
 from lipvit.certify.taylor.jacobian_norms import taylor_batch
 from torch import Tensor
@@ -45,9 +58,14 @@ from lipvit.errors import UnsupportedModelError
 from lipvit.model import ViT
 
 ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "alpha-crown",
-                                "cascade", "cascade-taylor", "global", "ball")
+                                "cascade", "cascade-taylor", "global", "ball",
+                                "smoothing")
 PROVEN_METHODS = ("global", "ball")
 """The methods of the architectures whose every map has a proven constant."""
+ANY_ARCH = frozenset({*PROVEN_METHODS, "smoothing"})
+"""The methods that do not bound lipvit's ViT architecture layer by layer
+(``global``, ``ball``: the hybrid ViT's and CaiT's constants; ``smoothing``:
+any classifier)."""
 CASCADES = {"cascade": "lofast", "cascade-taylor": "taylor"}
 """Each cascade: its first method; CROWN runs on what that left uncertified."""
 LIRPA_METHODS = {"crown": "CROWN", "alpha-crown": "alpha-CROWN"}
@@ -77,19 +95,57 @@ QUANTITIES = {
         "certificate": "sound: every margin F_y - F_j exceeds eps L(x, eps) "
                        "||w_y - w_j||",
     },
+    "smoothing": {
+        "counts": "exact: estimation draws per class of the float32 network's "
+                  "argmax under Gaussian noise (Monte Carlo, seeded per point)",
+        "p_lower": "one-sided Clopper-Pearson lower bound of p_A at level "
+                   "1 - alpha (scipy binomtest ... proportion_ci, exact)",
+        "radius": "sigma * Phi^-1(p_lower) (Cohen et al. 2019, Theorem 1); 0 "
+                  "on abstention (p_lower <= 1/2)",
+        "certificate": "probabilistic: with probability >= 1 - alpha per point, "
+                       "the smoothed classifier g(x) = argmax_c P(f(x + d) = c), "
+                       "d ~ N(0, sigma^2 I), predicts the label on the open ball "
+                       "of that radius; says nothing about the network f itself",
+    },
 }
 """What each method's numbers are, for the JSON (methods not named: see ``exact``)."""
 
 
 @dataclass(frozen=True)
 class MethodResult:
-    """Certified accuracy of one method at one ε."""
+    """Certified accuracy of one method at one ε.
+
+    ``exact`` is true for a deterministic certificate of the network;
+    ``guarantee`` says which kind a row is (``"deterministic"``,
+    ``"estimate"``, ``"probabilistic"``). ``smoothing`` rows also carry its
+    settings ``sigma``, ``alpha``, ``n0``, ``n_noise`` (None elsewhere).
+    """
 
     method: str
     eps: float
     certified_accuracy: float
     seconds_per_sample: float
     exact: bool
+    guarantee: str = "deterministic"
+    sigma: float | None = None
+    alpha: float | None = None
+    n0: int | None = None
+    n_noise: int | None = None
+
+    def to_dict(self) -> dict:
+        """Plain dict; the smoothing settings only where they are set."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v is not None or k not in SMOOTHING_KEYS}
+
+
+SMOOTHING_KEYS = ("sigma", "alpha", "n0", "n_noise")
+
+
+def guarantee_of(method: str) -> str:
+    """The kind of guarantee a method's rows give (see the module note)."""
+    if method == "smoothing":
+        return GUARANTEE
+    return "estimate" if method == "lofast-fast" else "deterministic"
 
 
 @dataclass(frozen=True)
@@ -97,7 +153,9 @@ class CertifyReport:
     """Everything ``lipvit certify`` prints and writes.
 
     ``certified`` maps ``"<method>@<eps>"`` to a ``(n,)`` bool tensor;
-    ``radii`` maps each bound method to ``(n,)`` certified radii (when asked).
+    ``radii`` maps each bound method to ``(n,)`` certified radii (when asked);
+    ``smoothing`` holds the per-point outcome of ``smoothing`` (its radii in
+    ``radii`` are 0 where the smoothed prediction is not the label).
     """
 
     n: int
@@ -107,6 +165,7 @@ class CertifyReport:
     results: list[MethodResult]
     certified: dict[str, Tensor]
     radii: dict[str, Tensor] = field(default_factory=dict)
+    smoothing: SmoothingCertificate | None = None
 
     @property
     def clean_accuracy(self) -> float:
@@ -114,23 +173,22 @@ class CertifyReport:
 
     def to_records(self) -> list[dict]:
         """One plain dict per (method, ε): the rows of ``lipvit certify``'s CSV."""
-        return [
-            {
-                "method": r.method,
-                "eps": r.eps,
-                "clean_accuracy": self.clean_accuracy,
-                "certified_accuracy": r.certified_accuracy,
-                "seconds_per_sample": r.seconds_per_sample,
-                "exact": r.exact,
-            }
-            for r in self.results
-        ]
+        rows = []
+        for r in self.results:
+            row = r.to_dict()
+            row["clean_accuracy"] = self.clean_accuracy
+            rows.append({k: row[k] for k in ("method", "eps", "clean_accuracy",
+                                             *row) if k in row})
+        return rows
 
     def sample_records(self, index: Sequence[int]) -> list[dict]:
         """One plain dict per sample (``index``: its test-set index): label,
-        prediction, margin, certified radius (the first method's) and whether
-        each ``"<method>@<eps>"`` certifies it."""
+        prediction, margin, certified radius (the first method's), whether
+        each ``"<method>@<eps>"`` certifies it and, with ``smoothing``, its
+        outcome (``"smoothing": {"prediction", "counts", "p_lower", "radius",
+        "selected"}``; ``prediction`` −1 is an abstention)."""
         primary = next(iter(self.radii), None)
+        smoothed = None if self.smoothing is None else self.smoothing.records()
         out = []
         for i in range(self.n):
             record = {
@@ -143,11 +201,14 @@ class CertifyReport:
             }
             if self.radii:
                 record["radii"] = {m: float(r[i]) for m, r in self.radii.items()}
+            if smoothed is not None:
+                record["smoothing"] = smoothed[i]
             out.append(record)
         return out
 
 
-def _check(model, methods: Sequence[str], eps_list: Sequence[float]) -> None:
+def _check(model, methods: Sequence[str], eps_list: Sequence[float],
+           smoothing: SmoothingConfig | None = None) -> None:
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
         raise ValueError(
@@ -157,18 +218,21 @@ def _check(model, methods: Sequence[str], eps_list: Sequence[float]) -> None:
         raise ValueError("give at least one method")
     check_methods(model, methods)
     check_eps_list(eps_list)
+    if "smoothing" in methods and not isinstance(smoothing, SmoothingConfig):
+        raise ValueError("smoothing needs its settings: pass smoothing="
+                         "SmoothingConfig(sigma=...)")
 
 
 def check_methods(model, methods: Sequence[str]) -> None:
     """Refuse, in one line (:class:`UnsupportedModelError`), a method that cannot
     bound ``model``'s architecture: ``global`` and ``ball`` need proven
-    constants (the hybrid ViT, CaiT), and every other method bounds
-    :class:`ViT` only."""
+    constants (the hybrid ViT, CaiT), ``smoothing`` takes any classifier, and
+    every other method bounds :class:`ViT` only."""
     if any(m in PROVEN_METHODS for m in methods):
         check_global(model)
     arch = getattr(model.config, "arch", "vit")
     if arch != "vit":
-        other = [m for m in methods if m not in PROVEN_METHODS]
+        other = [m for m in methods if m not in ANY_ARCH]
         if other:
             raise UnsupportedModelError(
                 f"{other[0]} bounds lipvit's ViT architecture; this model "
@@ -242,6 +306,8 @@ def certify_samples(
     progress=None,
     max_memory: int | None = None,
     max_symbols: int | None = None,
+    smoothing: SmoothingConfig | None = None,
+    index: Sequence[int] | None = None,
 ) -> CertifyReport:
     """Certify images ``x`` ``(n, C, S, S)`` in [0, 1] with labels ``y`` ``(n,)``.
 
@@ -262,15 +328,21 @@ def certify_samples(
             default :func:`lipvit.certify.memory.default_max_memory`.
         max_symbols: ``taylor``'s ReLU symbols per sample and block (lipschitz
             family); default :func:`lipvit.certify.taylor.symbols.default_max_symbols`.
+        smoothing: the settings of ``smoothing`` (required with it), whose
+            ``batch_size`` is its noisy copies per forward pass.
+        index: ``(n,)`` the samples' test-set indices, which seed
+            ``smoothing``'s noise per point (default ``0..n-1``).
 
     Returns:
         A :class:`CertifyReport`; ``seconds_per_sample`` of a (method, ε) row is
         the wall time that method needs for that ε alone, from scratch.
         Everything is computed in float64 (a float64 copy of a lower-precision
         model); certificates use margins rounded down and bounds rounded up
-        (:mod:`lipvit.certify.certification`).
+        (:mod:`lipvit.certify.certification`). ``smoothing`` alone runs the
+        model in float32 (:mod:`lipvit.certify.smoothing`).
     """
-    _check(model, methods, eps_list)
+    _check(model, methods, eps_list, smoothing)
+    network = model  # smoothing's base classifier is its float32 copy
     model = float64_model(model)  # in eval mode
     x = x.to(torch.float64)
     n = x.shape[0]
@@ -294,7 +366,7 @@ def certify_samples(
                                   + sum(c in methods for c in CASCADES))
     # of a sample, per unit of work
     share = 1.0 / (len(bound_methods) + use_taylor + crown_runs
-                   + sum(m in methods for m in PROVEN_METHODS))
+                   + sum(m in methods for m in (*PROVEN_METHODS, "smoothing")))
 
     def advance(samples: float) -> None:
         if progress is not None:
@@ -312,6 +384,19 @@ def certify_samples(
             with torch.no_grad():
                 chain = proven_chain(model)
             add("ball", time.perf_counter() - t0)
+
+        smoothed = None
+        if "smoothing" in methods:
+            t0 = time.perf_counter()
+            smoothed = certify_smoothed(network, x, smoothing,
+                                        num_classes=model.config.num_classes,
+                                        index=index, progress=advance)
+            add("smoothing", time.perf_counter() - t0)
+            for eps in eps_list:
+                certified[f"smoothing@{eps}"] = [smoothed.certified(y, eps).to(y.device)]
+                add(f"smoothing@{eps}", 0.0)
+            if radius:
+                radii["smoothing"] = [smoothed.certified_radius(y).to(x.device)]
 
         crown = None  # one bounded model for the whole run
         if crown_runs:
@@ -390,18 +475,22 @@ def certify_samples(
         for eps in eps_list:
             key = f"{method}@{eps}"
             seconds = times[key]
-            if method in (*BOUND_METHODS, "taylor", *PROVEN_METHODS):
+            if method in (*BOUND_METHODS, "taylor", *PROVEN_METHODS, "smoothing"):
                 seconds += times[method]
             elif method in CASCADES:
                 first = CASCADES[method]
                 seconds += times[first] + times[f"{first}@{eps}"]
+            settings = {} if method != "smoothing" else {
+                k: getattr(smoothing, k) for k in SMOOTHING_KEYS}
             results.append(
                 MethodResult(
                     method,
                     float(eps),
                     float(cert[key].float().mean()),
                     seconds / n,
-                    method != "lofast-fast",
+                    guarantee_of(method) == "deterministic",
+                    guarantee_of(method),
+                    **settings,
                 )
             )
     logits = torch.cat(logits_all)
@@ -413,6 +502,7 @@ def certify_samples(
         results=results,
         certified=cert,
         radii={k: torch.cat(v) for k, v in radii.items() if k in methods},
+        smoothing=smoothed,
     )
 
 
@@ -440,9 +530,10 @@ def report_record(report: CertifyReport) -> dict:
         "labels": report.labels.tolist(),
         "predictions": report.predictions.tolist(),
         "margins": report.margins.tolist(),
-        "results": [dataclasses.asdict(r) for r in report.results],
+        "results": [r.to_dict() for r in report.results],
         "certified": {k: v.tolist() for k, v in report.certified.items()},
         "radii": {k: v.tolist() for k, v in report.radii.items()},
+        "smoothing": None if report.smoothing is None else report.smoothing.to_record(),
     }
 
 
@@ -482,4 +573,6 @@ def merge_records(records: Sequence[dict]) -> CertifyReport:
         results=results,
         certified=certified,
         radii={k: cat("radii", torch.float64, k) for k in parts[0]["radii"]},
+        smoothing=(SmoothingCertificate.cat([r["smoothing"] for r in parts])
+                   if parts[0].get("smoothing") is not None else None),
     )

@@ -52,12 +52,13 @@ def ckpt(digits, tmp_path_factory):
     return out
 
 
-def _certify(ckpt: Path, out: Path, ranks: int | None) -> subprocess.CompletedProcess:
+def _certify(ckpt: Path, out: Path, ranks: int | None,
+             args: list[str] = ARGS) -> subprocess.CompletedProcess:
     launch = ([] if ranks is None else
               ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(ranks)])
     cmd = [sys.executable, *launch, "-m", "lipvit", "certify", "--ckpt", str(ckpt),
-           *ARGS, "--json", str(out), "--csv", str(out.with_suffix(".csv"))]
+           *args, "--json", str(out), "--csv", str(out.with_suffix(".csv"))]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
@@ -143,3 +144,22 @@ def test_existing_shard_is_reused(ckpt, single, tmp_path):
     assert resumed[6]["certified"][key] == (not samples[6]["certified"][key])
     assert _same(resumed[:6], samples[:6]) and _same(resumed[7:], samples[7:])
     assert not shard_path(out, ranks).exists()
+
+
+SMOOTHING = ["--eps", "0.05,0.2", "--method", "smoothing", "--sigma", "0.25",
+             "--n0", "20", "--n-noise", "200", "--samples", "10", "--batch-size", "3"]
+
+
+@pytest.mark.slow
+def test_smoothing_two_ranks_merge_equals_single_process(ckpt, tmp_path):
+    # Each point's noise is seeded by its test index, so the ranks' shards hold
+    # exactly the counts of a single run; one JSON at the end.
+    single, merged = tmp_path / "single.json", tmp_path / "merged.json"
+    _certify(ckpt, single, None, SMOOTHING)
+    out = _certify(ckpt, merged, 2, SMOOTHING)
+    assert _same(_without_timing(merged), _without_timing(single))
+    samples = json.loads(merged.read_text())["samples"]
+    assert len(samples) == 10 and all(sum(s["smoothing"]["counts"]) == 200
+                                      for s in samples)
+    assert out.stdout.count("smoothed classifier: accuracy") == 1
+    assert not list(tmp_path.glob("*.shard-*"))

@@ -22,6 +22,7 @@ from lipvit.train import (
     summary_path,
     train,
     train_config_for,
+    train_step,
 )
 
 
@@ -51,6 +52,8 @@ def _tc(**kw) -> TrainConfig:
         dict(loss_scale=0.0),
         dict(seed=-1),
         dict(threads=-2),
+        dict(noise_sd=-0.25),
+        dict(noise_sd=math.inf),
     ],
 )
 def test_train_config_validation(bad: dict) -> None:
@@ -219,3 +222,42 @@ def test_adversarial_training_runs(small_digits, tmp_path: Path) -> None:
     )
     assert math.isfinite(summary["loss"])
     assert summary["msvp_penalty"] == 0.0
+
+
+class _Recorder(torch.nn.Module):
+    """A linear classifier that keeps the last batch it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(16, 3)
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.detach().clone()
+        return self.head(x.flatten(1))
+
+
+@pytest.mark.parametrize("noise_sd", [0.0, 0.25])
+def test_train_step_adds_seeded_gaussian_noise(noise_sd: float) -> None:
+    # Cohen et al. 2019 train the base classifier on x + N(0, sigma^2 I): the
+    # batch the model sees is the image plus sigma times the generator's next
+    # standard normal draws (no clipping); sigma = 0 leaves it untouched.
+    torch.manual_seed(0)
+    model = _Recorder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.rand(64, 1, 4, 4), torch.randint(0, 3, (64,))
+    train_step(model, opt, x, y, _tc(noise_sd=noise_sd, msvp=(0.0, 0.0, 0.0)),
+               generator=torch.Generator().manual_seed(7))
+    expected = x + noise_sd * torch.randn(x.shape,
+                                          generator=torch.Generator().manual_seed(7))
+    assert torch.equal(model.seen, expected)
+    if noise_sd:
+        assert float((model.seen - x).std()) == pytest.approx(noise_sd, rel=0.1)
+
+
+def test_noise_sd_is_recorded_in_the_checkpoint(small_digits, tmp_path: Path) -> None:
+    out = tmp_path / "noisy.pt"
+    summary = train(_cfg(small_digits), _tc(noise_sd=0.25), small_digits, out,
+                    progress=False)
+    assert summary["train_config"]["noise_sd"] == 0.25
+    assert load_checkpoint(out).train_config["noise_sd"] == 0.25

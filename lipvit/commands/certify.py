@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 import torch
+from click.core import ParameterSource
 from tqdm import tqdm
 
 from lipvit.allocator import reexec_with_crown_allocator
@@ -22,6 +23,7 @@ from lipvit.certify.evaluate import (
 )
 from lipvit.certify.lofast.network import check_dot_attention
 from lipvit.certify.memory import parse_memory
+from lipvit.certify.smoothing import SmoothingConfig
 from lipvit.certify.taylor.forward import check_supported
 from lipvit.certify.taylor.jacobian_norms import (
     EXACT_GRAM_MAX,
@@ -108,6 +110,12 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
         lines.append(f"median certified radius: {medians}")
     if any(r.certified_accuracy > 0 for r in report.results):
         return lines
+    if all(r.method == "smoothing" for r in report.results):
+        lines.append("nothing is certified at these eps with smoothing: the smoothed "
+                     "classifier abstains, errs or reaches less than eps on every "
+                     "point (a model trained with --noise-sd near --sigma, or a "
+                     "larger --n-noise, certifies more)")
+        return lines
     used = ", ".join(dict.fromkeys(r.method for r in report.results))
     advice = (f"--method {stronger} (a stronger sound certificate, slower) may "
               "certify points here; else " if stronger else "")
@@ -165,7 +173,8 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
     default=64,
     show_default=True,
     help="samples per batch (taylor certifies a batch's samples together, as "
-         "many at a time as --max-memory holds)",
+         "many at a time as --max-memory holds); smoothing: noisy copies per "
+         "forward pass",
 )
 @click.option(
     "--max-memory",
@@ -183,6 +192,37 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
          "sample and block (more is tighter and slower; the rest are bounded in "
          "norm) [default: max(1024, 4 x image dimension)]",
 )
+@click.option(
+    "--sigma",
+    type=float,
+    default=None,
+    help="smoothing: noise standard deviation (pixels in [0, 1]) [default: the "
+         "checkpoint's --noise-sd]",
+)
+@click.option(
+    "--n0",
+    type=int,
+    default=None,
+    help="smoothing: selection draws per point [default: 100]",
+)
+@click.option(
+    "--n-noise",
+    type=int,
+    default=None,
+    help="smoothing: estimation draws per point [default: 100000]",
+)
+@click.option(
+    "--alpha",
+    type=float,
+    default=None,
+    help="smoothing: failure probability per point, in (0, 1) [default: 0.001]",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=None,
+    help="smoothing: seeds each point's noise with its test-set index [default: 0]",
+)
 @C.device_option
 @C.data_options
 @C.json_option
@@ -198,6 +238,11 @@ def certify(
     batch_size: int,
     max_memory_text: str | None,
     max_symbols: int | None,
+    sigma: float | None,
+    n0: int | None,
+    n_noise: int | None,
+    alpha: float | None,
+    seed: int | None,
     device: str,
     dataset: str | None,
     data_dir: Path | None,
@@ -222,6 +267,13 @@ def certify(
     optimised ReLU slopes (never looser, a little slower); `cascade` runs CROWN only
     where LoFAST did not certify, `cascade-taylor` only where taylor did not.
 
+    `smoothing` is randomized smoothing (Cohen et al. 2019, CERTIFY with
+    Clopper-Pearson bounds): a PROBABILISTIC certificate (probability >= 1 -
+    alpha per point) of the smoothed classifier, not of the network; --sigma
+    (default: the checkpoint's --noise-sd), --n0, --n-noise, --alpha, --seed;
+    --batch-size is then its noisy copies per forward pass. Its rows are
+    labelled, never mixed with the deterministic certificates.
+
     `torchrun --nproc_per_node K -m lipvit certify ... --samples N` shards the
     samples over K ranks (whole batches each, gloo) and rank 0 writes the merged
     JSON/CSV, equal to a single-process run's except the seconds_per_sample
@@ -232,11 +284,16 @@ def certify(
     ranks = ranks_from_env()
     eps_list = C.parse_floats(eps_text, "eps")
     methods = C.parse_names(method_text, ALL_METHODS, "method") if method_text else []
+    smoothing_options = {"--sigma": sigma, "--n0": n0, "--n-noise": n_noise,
+                         "--alpha": alpha, "--seed": seed}
+    _check_smoothing_options(methods, smoothing_options)
     C.check_writable([json_path, csv_path], force)
     if {"crown", "alpha-crown", "cascade", "cascade-taylor"} & set(methods):
         reexec_with_crown_allocator()  # glibc.malloc.mmap_max=0, once
     dev = rank_device(C.resolve_device(device), ranks)
     loaded = C.load_checkpoint(ckpt, dev)
+    smoothing = (smoothing_config(loaded, ckpt, sigma, n0, n_noise, alpha, seed,
+                                  batch_size) if "smoothing" in methods else None)
     model = loaded.model.double()
     data = C.load_test_set(
         loaded, n=n, dataset=dataset, data_dir=data_dir, device=dev
@@ -260,38 +317,78 @@ def certify(
                        err=True)
     # Only a named --radius pays for taylor's radius search.
     radii = radius or not taylor
-    stronger = None if taylor or taylor_unsupported(model) else "taylor"
+    stronger = (None if taylor or "smoothing" in methods or taylor_unsupported(model)
+                else "taylor")
     shard = shard_slice(len(data.y), batch_size, ranks)
     output = json_path or csv_path
     shard_file = shard_path(output, ranks) if ranks.world > 1 and output else None
     settings = shard_settings(ckpt, data, shard, methods, eps_list, radius_tol,
                               batch_size, dev, max_memory=max_memory,
-                              max_symbols=max_symbols, radii=radii)
+                              max_symbols=max_symbols, radii=radii,
+                              smoothing=smoothing)
     with process_group(ranks):
         record = load_shard(shard_file, settings) if shard_file else None
         if record is None:
             record = _certify_shard(model, data.x[shard], data.y[shard], methods,
                                     eps_list, radius_tol, batch_size, loaded.config,
                                     show=ranks.rank == 0, max_memory=max_memory,
-                                    max_symbols=max_symbols, radii=radii)
+                                    max_symbols=max_symbols, radii=radii,
+                                    smoothing=smoothing, index=data.index[shard])
             if shard_file:
                 save_shard(shard_file, settings, record)
         records = gather_to_root(record, ranks)
         if records is not None:
             _report(merge_records(records), ckpt, data, methods, eps_list, radius,
-                    json_path, csv_path, force, stronger=stronger)
+                    json_path, csv_path, force, stronger=stronger,
+                    smoothing=smoothing)
         barrier(ranks)  # the merged outputs are written: the shards are done
         if shard_file:
             shard_file.unlink(missing_ok=True)
 
 
+def _check_smoothing_options(methods: list[str], options: dict) -> None:
+    """Refuse, in one line, smoothing's options without ``--method smoothing``
+    and ``--radius-tol`` with it (its radius is in closed form)."""
+    if "smoothing" not in methods:
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} applies to --method smoothing only")
+        return
+    source = click.get_current_context().get_parameter_source("radius_tol")
+    if source not in (None, ParameterSource.DEFAULT):
+        raise ValueError("--radius-tol does not apply to smoothing: its radius "
+                               "is in closed form, sigma * Phi^-1(p_lower)")
+
+
+def smoothing_config(loaded, ckpt: Path, sigma: float | None, n0: int | None,
+                     n_noise: int | None, alpha: float | None, seed: int | None,
+                     batch_size: int) -> SmoothingConfig:
+    """``smoothing``'s settings from the options; ``sigma`` defaults to the noise
+    the checkpoint was trained with (``lipvit train --noise-sd``).
+
+    Raises:
+        ValueError: no ``sigma`` and a checkpoint trained without noise, or a
+            setting :class:`SmoothingConfig` refuses (one line each).
+    """
+    if sigma is None:
+        sigma = float((loaded.train_config or {}).get("noise_sd") or 0.0)
+        if not sigma > 0:
+            raise ValueError(f"smoothing needs --sigma: {ckpt} was not trained with "
+                             "noise (lipvit train --noise-sd)")
+    given = {"n0": n0, "n_noise": n_noise, "alpha": alpha, "seed": seed}
+    return SmoothingConfig(sigma=sigma, batch_size=batch_size,
+                           **{k: v for k, v in given.items() if v is not None})
+
+
 def shard_settings(ckpt: Path, data: C.TestSet, shard: slice, methods: list[str],
                    eps_list: list[float], radius_tol: float, batch_size: int,
                    device: torch.device, *, max_memory: int | None = None,
-                   max_symbols: int | None = None, radii: bool = True) -> dict:
+                   max_symbols: int | None = None, radii: bool = True,
+                   smoothing: SmoothingConfig | None = None) -> dict:
     """What a shard's results depend on: a shard file saved with other settings
     is not reused (the checkpoint is identified by path, size and mtime;
-    ``radii``: whether the record holds every method's radii)."""
+    ``radii``: whether the record holds every method's radii; ``smoothing``:
+    its settings)."""
     stat = Path(ckpt).stat()
     return {
         "checkpoint": [str(Path(ckpt).resolve()), stat.st_size, stat.st_mtime_ns],
@@ -299,12 +396,15 @@ def shard_settings(ckpt: Path, data: C.TestSet, shard: slice, methods: list[str]
         "methods": methods, "eps": eps_list, "radius_tol": radius_tol,
         "batch_size": batch_size, "device": device.type, "max_memory": max_memory,
         "max_symbols": max_symbols, "radii": radii,
+        "smoothing": None if smoothing is None else dataclasses.asdict(smoothing),
     }
 
 
 def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, config,
                    show: bool, max_memory: int | None = None,
-                   max_symbols: int | None = None, radii: bool = True) -> dict:
+                   max_symbols: int | None = None, radii: bool = True,
+                   smoothing: SmoothingConfig | None = None,
+                   index=None) -> dict:
     """:func:`certify_samples` on one shard (every method's radii with
     ``radii``), as a plain record."""
     if len(y) == 0:
@@ -329,13 +429,32 @@ def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, confi
             progress=lambda done: bar.update(min(done, bar.total - bar.n)),
             max_memory=max_memory,
             max_symbols=max_symbols,
+            smoothing=smoothing,
+            index=index,
         )
     return report_record(report)
 
 
+EXACT_TEXT = {"deterministic": "yes", "estimate": "no (estimate)",
+              "probabilistic": "no (probabilistic)"}
+"""The ``exact`` column of the table, per guarantee."""
+
+
+def _smoothing_lines(report: CertifyReport, smoothing: SmoothingConfig) -> list[str]:
+    """What ``smoothing``'s rows mean, and the smoothed classifier's accuracy."""
+    s = report.smoothing
+    correct = float((s.prediction == report.labels.cpu()).float().mean())
+    abstained = int((s.prediction < 0).sum())
+    return [f"smoothing: {smoothing.describe()}; n0 = {smoothing.n0}, n_noise = "
+            f"{smoothing.n_noise}",
+            f"smoothed classifier: accuracy {correct:.4f} (abstentions count as "
+            f"wrong), {abstained} of {report.n} abstained"]
+
+
 def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[str],
             eps_list: list[float], radius: bool, json_path: Path | None,
-            csv_path: Path | None, force: bool, stronger: str | None = None) -> None:
+            csv_path: Path | None, force: bool, stronger: str | None = None,
+            smoothing: SmoothingConfig | None = None) -> None:
     """Print the tables and write the JSON/CSV of the merged report
     (``stronger``: the method to suggest when nothing is certified)."""
     rows = report.to_records()
@@ -352,12 +471,15 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
                     C.format_eps(r["eps"]),
                     r["certified_accuracy"],
                     r["seconds_per_sample"],
-                    "yes" if r["exact"] else "no (estimate)",
+                    EXACT_TEXT[r["guarantee"]],
                 ]
                 for r in rows
             ],
         )
     )
+    if report.smoothing is not None and smoothing is not None:
+        for line in _smoothing_lines(report, smoothing):
+            click.echo(line)
     for line in _radius_lines(report, radius, data.index, stronger):
         click.echo(line)
     if not radius:
@@ -378,8 +500,11 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
                 "dataset": data.dataset,
                 "n": report.n,
                 "clean_accuracy": report.clean_accuracy,
-                "results": [dataclasses.asdict(r) for r in report.results],
+                "results": [r.to_dict() for r in report.results],
                 "quantities": {m: QUANTITIES[m] for m in methods if m in QUANTITIES},
+                **({} if smoothing is None else {"smoothing": {
+                    **dataclasses.asdict(smoothing),
+                    "guarantee": smoothing.describe()}}),
                 "samples": report.sample_records(data.index),
             },
             force,

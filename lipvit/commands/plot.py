@@ -47,6 +47,18 @@ def _labels(paths: list[Path]) -> dict[Path, str]:
 Curve = tuple[str, str, np.ndarray, np.ndarray]  # (label, method, x, accuracy)
 
 
+def _series_name(method: str, rows: list[Mapping]) -> str:
+    """The method as its series is labelled: ``smoothing (probabilistic:
+    smoothed classifier, σ = ..., 1 − α = ...)`` for a probabilistic guarantee,
+    ``name (estimate)`` for an estimate, else the bare name."""
+    from lipvit.analysis.plots import probabilistic_label
+
+    if any(r.get("guarantee") == "probabilistic" for r in rows):
+        return probabilistic_label(method, rows[0].get("sigma"), rows[0].get("alpha"))
+    estimate = any(r.get("exact") is False for r in rows)
+    return method + (" (estimate)" if estimate else "")
+
+
 def _method_curves(data: Mapping, prefix: str) -> list[Curve]:
     by_method: dict[str, list] = {}
     for row in data["results"]:
@@ -54,8 +66,7 @@ def _method_curves(data: Mapping, prefix: str) -> list[Curve]:
     curves = []
     for method, rows in by_method.items():
         rows = sorted(rows, key=lambda r: float(r["eps"]))
-        estimate = any(r.get("exact") is False for r in rows)
-        label = f"{prefix}{method}" + (" (estimate)" if estimate else "")
+        label = f"{prefix}{_series_name(method, rows)}"
         curves.append((label, method, np.array([float(r["eps"]) for r in rows]),
                        np.array([float(r["certified_accuracy"]) for r in rows])))
     return curves
@@ -78,15 +89,24 @@ def _radius_curve(path: Path, data: Mapping, prefix: str) -> list[Curve]:
         raise LipvitError(
             f"{path}: no per-sample radii (run `lipvit certify --radius`)")
     correct = np.array([s.get("prediction") == s.get("label") for s in samples])
+    rows: dict[str, list] = {}
+    for row in data.get("results") or []:
+        rows.setdefault(row.get("method"), []).append(row)
     curves = []
     for method, radii in per.items():
-        ok = correct & np.array([r is not None for r in radii])
+        if method == "smoothing":  # the smoothed classifier's own prediction
+            correct_m = np.array([(s.get("smoothing") or {}).get("prediction")
+                                  == s.get("label") for s in samples])
+        else:
+            correct_m = correct
+        ok = correct_m & np.array([r is not None for r in radii])
         r = np.array([float(x) if x is not None else 0.0 for x in radii])
         r = np.where(ok, r, -np.inf)  # misclassified: certified at no radius
         top = float(r[ok].max()) if ok.any() else 0.0
         grid = np.linspace(0.0, 1.1 * top if top > 0 else 1.0, 400)
         acc = (r[None, :] >= grid[:, None]).mean(axis=1)  # (400,)
-        label = f"{prefix}certified radius" + (f" ({method})" if method else "")
+        name = _series_name(method, rows[method]) if method in rows else method
+        label = f"{prefix}certified radius" + (f" ({name})" if name else "")
         curves.append((label, method, grid, acc))
     return curves
 
@@ -220,12 +240,13 @@ def gap(certify_json: Path, attack_json: Path, out: Path, method_text: str | Non
                 methods)
     fig = plot_certification_gap(data.attack, data.certified,
                                  first_order=data.first_order if first_order else None,
-                                 estimates=data.estimates, title=title)
+                                 estimates=data.estimates,
+                                 probabilistic=data.probabilistic, title=title)
     save_figure(fig, out, pdf, force=force)
     click.echo(C.format_table(
         ["method", "points", "n", "median certified", "median attack",
          "median ratio", "median first-order"],
-        [[r.method + (" (estimate)" if r.estimate else ""), r.points, r.n,
+        [[r.label, r.points, r.n,
           r.median_certified, r.median_attack, r.median_ratio, r.median_first_order]
          for r in summary_rows(data)]))
     bad = {m: k for m, k in violations(data).items() if k}

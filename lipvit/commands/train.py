@@ -250,6 +250,14 @@ def _defaults_help(name: str, default: Any = None) -> str:
     f"plain loss [default: {_field_default('cert_mix')}].",
 )
 @click.option(
+    "--noise-sd",
+    type=float,
+    default=None,
+    help="Add Gaussian noise of this standard deviation (pixels in [0, 1]) to "
+    "every training image, for randomized smoothing (Cohen et al. 2019; "
+    "`lipvit certify --method smoothing` takes it as its sigma) [default: 0, off].",
+)
+@click.option(
     "--augment/--no-augment",
     default=None,
     help="Random crop/flip suited to the dataset "

@@ -70,6 +70,11 @@ class TrainConfig:
         cert_mix: ``κ``, the certified loss's share: the cross-entropy is
             ``(1 − κ) CE(f(x)) + κ CE(raised logits)`` (1: the certified loss
             alone).
+        noise_sd: ``σ`` of the Gaussian noise added to every training image
+            (pixels in ``[0, 1]``, no clipping), after augmentation and PGD:
+            training for randomized smoothing (Cohen, Rosenfeld & Kolter 2019,
+            §4: the base classifier is trained under the noise it will be
+            smoothed with; :mod:`lipvit.certify.smoothing`); 0 disables.
         augment: apply the dataset's random crop / flip (:attr:`Dataset.augment`).
         seed: seeds initialisation, batch order, augmentation and PGD starts.
         deterministic: ``torch.use_deterministic_algorithms(True)`` during
@@ -102,6 +107,7 @@ class TrainConfig:
     cert_warmup: float = 0.25
     cert_stream: float = 0.25
     cert_mix: float = 1.0
+    noise_sd: float = 0.0
     augment: bool = True
     seed: int = 0
     deterministic: bool = False
@@ -128,7 +134,7 @@ class TrainConfig:
                 f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}"
             )
         for name in ("weight_decay", "warmup", "grad_clip", "adv_eps",
-                     "relu_stability", "cert_eps"):
+                     "relu_stability", "cert_eps", "noise_sd"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")

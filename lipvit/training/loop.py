@@ -54,8 +54,10 @@ def train_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One optimisation step on the batch ``(x, y)`` (already augmented).
 
-    PGD (if ``cfg.adv_train``), forward, ``CE(loss_scale · logits) + MSVP``
-    (+ the ReLU-stability penalty of the forward pass, with ``stability``),
+    PGD (if ``cfg.adv_train``), Gaussian noise of standard deviation
+    ``cfg.noise_sd`` on the (attacked) images, forward,
+    ``CE(loss_scale · logits) + MSVP`` (+ the ReLU-stability penalty of the
+    forward pass, with ``stability``),
     backward, gradient clipping, optimizer step. The learning rate is whatever
     ``optimizer`` holds. Every parametrised (capped) weight is computed once
     per step (``parametrize.cached``) and shared by PGD, the forward pass and
@@ -86,6 +88,9 @@ def train_step(
                 generator=generator,
                 autocast=ctx,
             )
+        if cfg.noise_sd > 0:  # Gaussian data augmentation (Cohen et al. 2019, §4)
+            x = x + cfg.noise_sd * torch.randn(x.shape, device=x.device,
+                                               dtype=x.dtype, generator=generator)
         if stability is not None:
             stability.clear()  # PGD's forward passes do not count
         certifying = cert is not None and cert_eps > 0
