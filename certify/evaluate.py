@@ -393,7 +393,8 @@ def certify_samples(
                                         index=index, progress=advance)
             add("smoothing", time.perf_counter() - t0)
             for eps in eps_list:
-                certified[f"smoothing@{eps}"] = [smoothed.certified(y, eps).to(y.device)]
+                ok = smoothed.certified(y, eps).to(y.device)
+                certified[f"smoothing@{eps}"] = [ok]
                 add(f"smoothing@{eps}", 0.0)
             if radius:
                 radii["smoothing"] = [smoothed.certified_radius(y).to(x.device)]
