@@ -58,7 +58,10 @@ class Chain(NamedTuple):
     attention map ``k`` a gated residual block (``r = 1``, gate ``g``, its
     output divided by ``s``) or class attention (``r = 0``, ``g = s = 1``),
     ``after_k`` the constant of the maps up to the next attention map (the
-    per-token MLPs; after the last, also the head's hidden layer)."""
+    per-token MLPs), ``head`` the head's hidden layer's. For CaiT's
+    certification, ``class_head`` holds class attention's value maps through
+    the head's hidden layer (``M_h = W_h W_v[h]ᵀ`` ``(H, out, D)``) and
+    ``class_head_norm`` the norm of ``[M_1 … M_H]`` (docs/math.md eq. 10.6)."""
 
     stem: Tensor  # ()
     maps: tuple[nn.Module, ...]  # the attention maps
@@ -68,6 +71,9 @@ class Chain(NamedTuple):
     scale: tuple[Tensor, ...]
     residual: tuple[float, ...]
     after: tuple[Tensor, ...]
+    head: Tensor  # ()
+    class_head: Tensor | None = None
+    class_head_norm: Tensor | None = None
 
     def factor(self, k: int, L_A: Tensor) -> Tensor:
         """Map ``k``'s block constant with its attention's constant ``L_A``."""
@@ -103,10 +109,15 @@ def proven_chain(model: nn.Module, capped: bool = False) -> Chain:
     if model.config.arch == "cait":
         add(model.cls_attn, one, False, 0.0, one)
     head = one if capped else spectral_norm(model.head_hidden.weight)
-    after[-1] = after[-1] * head
     stem = one if capped else model.stem_lipschitz()
+    M = M_norm = None
+    if model.config.arch == "cait" and not capped:
+        ca = model.cls_attn
+        W = model.head_hidden.weight.reshape(-1, ca.num_heads, ca.value_dim)  # (out, H, d)
+        M = torch.einsum("ohv,hDv->hoD", W, ca.value)  # (H, out, D): W_h W_v[h]ᵀ
+        M_norm = spectral_norm(M.permute(1, 0, 2).reshape(M.shape[1], -1))
     return Chain(stem, tuple(maps), tuple(norms), tuple(L_A), tuple(gate),
-                 tuple(scale), tuple(residual), tuple(after))
+                 tuple(scale), tuple(residual), tuple(after), head, M, M_norm)
 
 
 def global_constant(model: nn.Module) -> GlobalConstant:
@@ -121,7 +132,7 @@ def global_constant(model: nn.Module) -> GlobalConstant:
     (9.4)."""
     with torch.no_grad():
         chain = proven_chain(model)
-        L = chain.stem
+        L = chain.stem * chain.head
         for k, L_A in enumerate(chain.L_A):
             L = L * chain.factor(k, L_A) * chain.after[k]
         return GlobalConstant(L * (1 + ROUNDING), model.head.weight.detach())

@@ -115,13 +115,13 @@ def class_attention_lipschitz(norms: AttentionNorms, B: Tensor, radius: float
     """
     beta = norms.content * radius  # (H,)
     P_bar = (torch.exp(2 * beta)[:, None] * B.softmax(dim=-1)).clamp(max=1.0)  # (H, N)
-    return class_attention_paths(norms, P_bar, beta * norms.value_head)
+    return sum(class_attention_paths(norms, P_bar, beta * norms.value_head))
 
 
 def class_attention_paths(norms: AttentionNorms, P_bar: Tensor, soft: Tensor,
-                          exact: bool = True) -> Tensor:
-    """``‖W_o‖ ((max_j ν_j)^{1/2} + (max_j μ_j)^{1/2})``, the two paths of class
-    attention (docs/math.md §9.4), from bounds ``P_bar`` ``(..., H, N)`` of the
+                          exact: bool = True) -> tuple[Tensor, Tensor]:
+    """``‖W_o‖ (max_j ν_j)^{1/2}`` and ``‖W_o‖ (max_j μ_j)^{1/2}``, the value
+    and softmax paths of class attention (docs/math.md §9.4), from bounds ``P_bar`` ``(..., H, N)`` of the
     attention weights and ``soft`` ``(..., H)`` of ``‖a_h‖ s_h``, ``s_h`` a
     bound of the values' spread ``(Σ_j P_h[j] ‖v_hj − v̄_h‖²)^{1/2}``:
     ``ν_j = min(max_h P̄_h[j] ‖W_v‖², Σ_h P̄_h[j] ‖W_v[h]‖²)`` and ``μ_j = Σ_h
@@ -141,7 +141,7 @@ def class_attention_paths(norms: AttentionNorms, P_bar: Tensor, soft: Tensor,
         Q_norm = (Q.sum(dim=-2).amax(dim=-1) * Q.sum(dim=-1).amax(dim=-1)).sqrt()
     value = torch.minimum(nu.amax(dim=-1).sqrt(), Q_norm)
     mu = (soft[..., None] ** 2 * P_bar).sum(dim=-2)  # (..., N)
-    return norms.out * (value + mu.amax(dim=-1).sqrt())
+    return norms.out * value, norms.out * mu.amax(dim=-1).sqrt()
 
 
 class ConvTokens(nn.Module):
@@ -377,13 +377,17 @@ def logit_spreads(content: Tensor, bias: Tensor, gate: Tensor, L_A: Tensor
     images, heads and queries of each query's spread ``max_j ℓ_ij − min_j
     ℓ_ij`` of the content logits ``(B, H, [N,] N)`` (keys on the last axis), of
     the positional bias and of their sum (what the softmax sees), with the
-    block's gate ``g`` and its attention's proven constant ``L_A``."""
+    block's gate ``g`` and its attention's proven constant ``L_A``. ``image``
+    is the spread of the content logits less their mean over the batch: the
+    part that changes with the image (content logits can also carry position,
+    through the positional embedding in the tokens)."""
 
     def spread(logits: Tensor) -> float:
         return float((logits.amax(-1) - logits.amin(-1)).mean())
 
-    return dict(content=spread(content), positional=spread(bias),
-                total=spread(content + bias), gate=float(gate), lipschitz=float(L_A))
+    return dict(content=spread(content), image=spread(content - content.mean(0)),
+                positional=spread(bias), total=spread(content + bias),
+                gate=float(gate), lipschitz=float(L_A))
 
 
 def _tiling_bias(H: int, N: int) -> Tensor:

@@ -35,8 +35,9 @@ def proven_text(summary: dict[str, Any]) -> str:
     attention logit spread 0.90 (content 0.00), gate 0.027; ...; accuracy
     0.897, without attention 0.100`` (older summaries lack the last part)."""
     blocks = "; ".join(
-        f"attention logit spread {a['total']:.2f} (content {a['content']:.2f}), "
-        f"gate {a['gate']:.3f}" for a in summary["attention"])
+        f"attention logit spread {a['total']:.2f} (content {a['content']:.2f}"
+        + (f", of it with the image {a['image']:.2f}" if "image" in a else "")
+        + f"), gate {a['gate']:.3f}" for a in summary["attention"])
     text = f"global constant {summary['global_constant']:.4f}; {blocks}"
     if "ablated_accuracy" in summary:
         text += (f"; accuracy {summary['accuracy']:.3f}, without attention "

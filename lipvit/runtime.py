@@ -42,8 +42,9 @@ def cpu_threads(
 
     ``threads`` 0 chooses: one thread for ViTs under a million parameters
     (their matrices are too small to split, and spinning threads lose badly on
-    a shared machine), torch's default otherwise and for the hybrid ViT (its
-    convolutions over whole images split well). No effect off the CPU.
+    a shared machine), torch's default otherwise and for the hybrid ViT and
+    CaiT (their convolutions over whole images split well). No effect off the
+    CPU.
     """
     if device.type != "cpu":
         yield
@@ -52,7 +53,7 @@ def cpu_threads(
     if n == 0:
         with torch.device("meta"):
             params = sum(p.numel() for p in build_model(model_cfg).parameters())
-        small = params < 1_000_000 and model_cfg.arch != "hybrid"
+        small = params < 1_000_000 and model_cfg.arch == "vit"
         n = 1 if small else torch.get_num_threads()
     before = torch.get_num_threads()
     torch.set_num_threads(n)

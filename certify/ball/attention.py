@@ -27,13 +27,14 @@ Shapes: ``B`` batch, ``N`` tokens, ``D`` width, ``H`` heads, ``d`` head width.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lipvit.layers import layer_project
 from lipvit.lipschitz_blocks import AttentionNorms, class_attention_paths
-from lipvit.spectral import gamma, spectral_norm
+from lipvit.spectral import eigvalsh_upper, gamma, spectral_norm
 
 
 def attention_upper(P0: Tensor, Delta: Tensor) -> Tensor:
@@ -119,6 +120,48 @@ def self_attention_local(
     return norms.out * (P_norm.amax(dim=-1) * norms.value + soft)
 
 
+class ClassBall(NamedTuple):
+    """What class attention's bounds on a ball are made of (per sample):
+    ``P0``, ``P_bar`` ``(B, H, N)`` the attention at ``X`` and its bound on the
+    ball, ``Delta`` ``(B, H)`` the content logits' move, ``soft`` ``(B, H)``
+    ``‖a_h‖ s̄_h`` (the values' spread on the ball, eq. 10.4)."""
+
+    P0: Tensor
+    P_bar: Tensor
+    Delta: Tensor
+    soft: Tensor
+
+
+def class_ball(X: Tensor, delta: Tensor, a: Tensor, W_v: Tensor,
+               norms: AttentionNorms, B: Tensor, radius: float, exact: bool = True
+               ) -> ClassBall:
+    """:class:`ClassBall` of class attention at tokens ``X`` ``(B, N, D)`` on
+    the ball of radius ``delta`` ``(B,)``: ``P̄_h = min(1, e^{2 Δ_h} P⁰_h)``,
+    ``Δ_h = ‖a_h‖ min(δ, 2R)``, and the values' spread bounded at ``X`` plus
+    what the ball adds (eq. 10.4). With ``exact`` the spread is measured on
+    the values; else (training) on the tokens, times ``‖W_v[h]‖`` (cheaper,
+    never smaller). ``a`` ``(H, D)``, ``W_v`` ``(H, D, d)``, ``B`` ``(H, N)``."""
+    R = radius
+    x_hat = layer_project(X, R)  # (B, N, D)
+    P0 = (x_hat @ a.T).mT.add(B).softmax(dim=-1)  # (B, H, N)
+    a_norm = norms.content  # (H,)
+    Delta = a_norm * torch.minimum(delta, torch.full_like(delta, 2 * R))[:, None]
+    P_bar = (P0 * (2 * Delta)[..., None].exp()).clamp(max=1.0)  # (B, H, N)
+    W_v_h = norms.value_head  # (H,)
+    centre = P0 @ x_hat  # (B, H, D) the clean pooled tokens
+    if exact:  # ‖(x̂_j − x̄_h) W_v[h]‖²
+        values = torch.einsum("bnD,hDv->bhnv", x_hat, W_v)
+        centres = torch.einsum("bhD,hDv->bhv", centre, W_v)[..., None, :]
+        e2 = _spread2(values, centres)[..., 0, :]
+    else:  # ‖x̂_j − x̄_h‖² ‖W_v[h]‖², the tokens shared by every head
+        e2 = _spread2(x_hat, centre) * W_v_h[:, None] ** 2
+    m = P_bar.amax(dim=-1)  # (B, H)
+    sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
+             + W_v_h * delta[:, None] * m.sqrt())
+    sigma = torch.minimum(sigma, W_v_h * R)  # (B, H)
+    return ClassBall(P0, P_bar, Delta, a_norm * sigma)
+
+
 def class_attention_local(
     X: Tensor,
     delta: Tensor,
@@ -129,34 +172,56 @@ def class_attention_local(
     radius: float,
     exact: bool = True,
 ) -> Tensor:
-    """Local constant of class attention ``X ↦ Σ_h (Σ_j P_h[j] x̂_j) W_v[h]
-    W_o[h]``, ``P_h = softmax(B_h + X̂ a_h)``
+    """Local constant of class attention ``X ↦ [(Σ_j P_h[j] x̂_j) W_v[h]]_h``,
+    ``P_h = softmax(B_h + X̂ a_h)``
     (:class:`lipvit.lipschitz_blocks.ClassAttention`) on the ball of radius
     ``delta`` around ``X``, docs/math.md eq. (10.5): eq. (9.4)'s two paths with
-    ``P̄_h = min(1, e^{2 Δ_h} P⁰_h)``, ``Δ_h = ‖a_h‖ min(δ, 2R)`` and the
-    values' spread ``s_h`` bounded at ``X`` plus what the ball adds. With
-    ``exact`` the spread is measured on the values; else (training) on the
-    tokens, times ``‖W_v[h]‖`` (cheaper, never smaller).
+    :func:`class_ball`'s ``P̄`` and spreads.
 
     Shapes: ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``a`` ``(H, D)``, ``W_v``
     ``(H, D, d)``, ``norms`` the weights' (``content = ‖a_h‖``), ``B`` ``(H,
     N)``; returns ``(B,)``, differentiable.
     """
-    R = radius
-    x_hat = layer_project(X, R)  # (B, N, D)
-    P0 = (x_hat @ a.T).mT.add(B).softmax(dim=-1)  # (B, H, N)
-    a_norm = norms.content  # (H,)
-    Delta = a_norm * torch.minimum(delta, torch.full_like(delta, 2 * R))[:, None]
-    P_bar = (P0 * (2 * Delta)[..., None].exp()).clamp(max=1.0)  # (B, H, N)
-    W_v_h = norms.value_head  # (H,)
-    centre = P0 @ x_hat  # (B, H, D) the clean pooled tokens
-    if exact:  # ‖(x̂_j − x̄_h) W_v[h]‖²
-        e2 = _spread2(torch.einsum("bnD,hDv->bhnv", x_hat, W_v),
-                      torch.einsum("bhD,hDv->bhv", centre, W_v)[..., None, :])[..., 0, :]
-    else:  # ‖x̂_j − x̄_h‖² ‖W_v[h]‖², the tokens shared by every head
-        e2 = _spread2(x_hat, centre) * W_v_h[:, None] ** 2
-    m = P_bar.amax(dim=-1)  # (B, H)
-    sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
-             + W_v_h * delta[:, None] * m.sqrt())
-    sigma = torch.minimum(sigma, W_v_h * R)  # (B, H)
-    return class_attention_paths(norms, P_bar, a_norm * sigma, exact)
+    ball = class_ball(X, delta, a, W_v, norms, B, radius, exact)
+    return sum(class_attention_paths(norms, ball.P_bar, ball.soft, exact))
+
+
+def class_head_local(
+    X: Tensor,
+    delta: Tensor,
+    a: Tensor,
+    W_v: Tensor,
+    norms: AttentionNorms,
+    B: Tensor,
+    radius: float,
+    M: Tensor,
+    M_norm: Tensor,
+    head_norm: Tensor,
+    chunk: int = 16,
+) -> Tensor:
+    """Local constant of class attention followed by the head's hidden layer,
+    ``X ↦ W c(X)``, on the ball of radius ``delta`` around ``X``, docs/math.md
+    eq. (10.6) (certification only: float64, dense per sample):
+
+        L ≤ ‖[C_1 … C_N]‖ + ‖M‖ ‖η‖ + ‖W‖ (max_j μ_j)^{1/2},   C_j = Σ_h P⁰_h[j] M_h,
+
+    the value path exact at ``X`` (``M_h = W_h W_v[h]ᵀ`` ``(out, D)``, ``W_h``
+    the columns of ``W`` that read head ``h``; the norm of the ``out × N·D``
+    matrix from the ``out × out`` Gram ``Σ_j C_j C_jᵀ``, rounded up) plus what
+    the ball can change in it (``η_hj ≥ |P_h[j] − P⁰_h[j]|``, ``‖M‖`` the norm
+    of ``[M_1 … M_H]``), and the softmax path of (10.5) through ``‖W‖``.
+    ``M`` ``(H, out, D)``; returns ``(B,)``.
+    """
+    ball = class_ball(X, delta, a, W_v, norms, B, radius)
+    lower = ball.P0 * (-2 * ball.Delta)[..., None].exp()
+    eta = torch.maximum(ball.P_bar - ball.P0, ball.P0 - lower)  # (B, H, N)
+    eta_norm = (eta.sum(dim=-2).amax(dim=-1) * eta.sum(dim=-1).amax(dim=-1)).sqrt()
+    exact = []
+    for start in range(0, X.shape[0], chunk):
+        P0 = ball.P0[start:start + chunk]  # (b, H, N)
+        C = torch.einsum("bhn,hoD->bnoD", P0, M)  # (b, N, out, D)
+        G = torch.einsum("bnoD,bnpD->bop", C, C)  # (b, out, out)
+        scale = (C * C).sum(dim=(1, 2, 3))  # ‖[C_j]‖_F² ≥ ‖|K|‖_F²
+        exact.append(eigvalsh_upper(G, scale, C.shape[1] * C.shape[3]).sqrt())
+    _, soft = class_attention_paths(norms, ball.P_bar, ball.soft)
+    return torch.cat(exact) + M_norm * eta_norm + head_norm * soft

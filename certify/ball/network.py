@@ -23,7 +23,7 @@ from lipvit.lipschitz_blocks import AttentionNorms, ClassAttention, GatedAttenti
 
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
-from .attention import class_attention_local, self_attention_local
+from .attention import class_attention_local, class_head_local, self_attention_local
 
 
 class BallBound(NamedTuple):
@@ -83,11 +83,18 @@ def ball_constant(chain: Chain, inputs: list[Tensor], eps: Tensor | float,
     eps = torch.as_tensor(eps, dtype=first.dtype, device=first.device).expand(
         first.shape[0])
     L = chain.stem.expand(first.shape[0])  # (B,)
+    head = chain.head  # still to come: the head's hidden layer
     for k, (attn, t) in enumerate(zip(chain.maps, inputs, strict=True)):
         L_loc = local_constant(attn, chain.norms[k], t, eps * L, exact)
         L_A = torch.minimum(L_loc, chain.L_A[k])
+        if exact and chain.class_head is not None and isinstance(attn, ClassAttention):
+            # Class attention and the head's hidden layer at once (eq. 10.6).
+            merged = class_head_local(t, eps * L, attn.a(), attn.value,
+                                      chain.norms[k], attn.pos_bias, attn.radius,
+                                      chain.class_head, chain.class_head_norm, head)
+            L_A, head = torch.minimum(L_A * head, merged), 1.0
         L = L * chain.factor(k, L_A) * chain.after[k]
-    return L * (1 + ROUNDING)
+    return L * head * (1 + ROUNDING)
 
 
 def ball_bound(model: nn.Module, x: Tensor, eps: Tensor | float,

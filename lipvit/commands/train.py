@@ -26,7 +26,7 @@ DEFAULT_PRESET = {
     ("digits", "standard"): "digits-tiny",
     ("digits", "lipschitz"): "digits-small",
     ("fashion-mnist", "standard"): "fmnist-3x64",
-    ("fashion-mnist", "lipschitz"): "fmnist-hybrid",
+    ("fashion-mnist", "lipschitz"): "fmnist-cait",
 }
 """Preset used when ``--preset`` is not given, per (dataset, family). The
 lipschitz family needs the wider, deeper digits model to pass 90 % test accuracy
