@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
 
 from lipvit.checkpoint import FORMAT_VERSION, load_checkpoint
 from lipvit.proven_summary import proven_text
@@ -55,6 +56,27 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     }
 
 
+def ablation_accuracy(path: Path, n: int | None, data_dir: Path | None
+                      ) -> dict[str, Any]:
+    """Test accuracy of the checkpoint's model and of
+    :func:`lipvit.ablate_attention` of it, on ``n`` test images (all by
+    default). Raises ``ValueError`` for a model without attention blocks to
+    remove (a ViT)."""
+    from lipvit.ablation import ablate_attention
+    from lipvit.commands import _common as C
+
+    ckpt = C.load_checkpoint(path)
+    model = ckpt.model.eval()
+    ablated = ablate_attention(model)
+    data = C.load_test_set(ckpt, n=n, data_dir=data_dir)
+    with torch.no_grad():
+        right = [(m(data.x[i:i + 500]).argmax(1) == data.y[i:i + 500]).sum()
+                 for m in (model, ablated) for i in range(0, len(data.y), 500)]
+    half = len(right) // 2
+    return {"n": len(data.y), "accuracy": float(sum(right[:half])) / len(data.y),
+            "ablated_accuracy": float(sum(right[half:])) / len(data.y)}
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
@@ -72,9 +94,19 @@ def _fmt(value: Any) -> str:
     help="Checkpoint written by lipvit train, or a transformers/timm ViT.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def info_command(path: Path, as_json: bool) -> None:
+@click.option("--ablate-attention", is_flag=True,
+              help="Also measure test accuracy with and without the attention "
+                   "(hybrid ViT, CaiT: lipvit.ablate_attention).")
+@click.option("--n", type=click.IntRange(min=1), default=None,
+              help="Test images for --ablate-attention (default: all).")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="Dataset directory for --ablate-attention.")
+def info_command(path: Path, as_json: bool, ablate_attention: bool, n: int | None,
+                 data_dir: Path | None) -> None:
     """Print what a checkpoint holds: configs, dataset, summary, exact sigma_max."""
     d = describe_checkpoint(path)
+    if ablate_attention:
+        d["ablation"] = ablation_accuracy(path, n, data_dir)
     if as_json:
         click.echo(json.dumps(d, indent=2))
         return
@@ -114,6 +146,11 @@ def info_command(path: Path, as_json: bool) -> None:
             f"{s.get('epochs')} epochs in {s.get('seconds', 0):.1f} s "
             f"on {s.get('device')}"
         )
+    if "ablation" in d:
+        a = d["ablation"]
+        lines.append(f"ablation     test accuracy {100 * a['accuracy']:.2f}%, with every "
+                     f"attention term removed {100 * a['ablated_accuracy']:.2f}% "
+                     f"({a['n']} test images)")
     proven = None if s is None else s.get("proven", s.get("hybrid"))
     if proven is not None:  # hybrid ViT, CaiT: no W_q, W_k, W_v table
         lines.append(f"{proven.get('arch', 'hybrid'):<12} {proven_text(proven)}")

@@ -1,10 +1,10 @@
 """``lipvit pipeline``: the whole study on one dataset, ending in ``report.md``.
 
 Trains a vanilla standard ViT (``--msvp 0``), an MSVP standard ViT and a
-lipschitz-family ViT (with MSVP; on Fashion-MNIST the hybrid ViT, whose
-attention's constant is proven instead, :mod:`lipvit.hybrid`); attacks all
-three; certifies the lipschitz and MSVP models (the hybrid by its global
-constant); measures the tightness of the bounds (one attention layer and the
+lipschitz-family ViT (with MSVP; on Fashion-MNIST the CaiT, whose maps'
+constants are proven instead, :mod:`lipvit.cait`); attacks all three;
+certifies the lipschitz and MSVP models (the CaiT by ``ball`` and ``global``);
+measures the tightness of the bounds (one attention layer and the
 whole network) and compares the spectra of vanilla and MSVP; then writes
 ``OUT/report.md`` with the tables, the figures and the command of every part.
 
@@ -82,13 +82,13 @@ def build_plan(
     )
     train_dev = device if device in ("auto", "cpu", "cuda") else "cuda"
     thr = ("--threads", str(threads)) if threads else ()
-    # The hybrid ViT's attention carries a proven constant: no MSVP, and only
-    # the global certificate bounds it (no CROWN, LoFAST or taylor steps).
-    hybrid = lipschitz_arch(dataset, s.preset) == "hybrid"
+    # The hybrid ViT's and CaiT's maps carry proven constants: no MSVP, and
+    # only ball and global bound them (no CROWN, LoFAST or taylor steps).
+    proven = lipschitz_arch(dataset, s.preset) != "vit"
     families = {
         "vanilla": ("standard", "0"),
         "msvp": ("standard", f"{s.msvp:g}"),
-        "lipschitz": ("lipschitz", "0" if hybrid else f"{s.msvp:g}"),
+        "lipschitz": ("lipschitz", "0" if proven else f"{s.msvp:g}"),
     }
     common = ("--dataset", dataset, *data_dir_args, "--device", train_dev,
               "--seed", "0", "--no-progress", *thr)
@@ -133,7 +133,7 @@ def build_plan(
     for name in ("lipschitz", "msvp"):
         ckpt = plan.model(name)
         js, cs = out / "certify" / f"{name}.json", out / "certify" / f"{name}.csv"
-        methods = "global" if hybrid and name == "lipschitz" else s.certify_methods
+        methods = "ball,global" if proven and name == "lipschitz" else s.certify_methods
         args = (
             "--ckpt",
             str(ckpt),
@@ -194,7 +194,7 @@ def build_plan(
             "lipschitz: certified radius vs attack radius")
     add(Step("plot/gap", "plot the certification gap of lipschitz", plot, args,
              (fig,), inputs=(cert, radius_js)))
-    if crown and s.crown_n > 0 and not hybrid:
+    if crown and s.crown_n > 0 and not proven:
         js = out / "certify" / "lipschitz-crown.json"
         cs = out / "certify" / "lipschitz-crown.csv"
         args = (
@@ -241,7 +241,7 @@ def build_plan(
         ("margin-lipschitz", lip, ("--margin",), margin),
         ("margin-msvp", plan.model("msvp"), ("--margin",), margin),
     ):
-        if hybrid and ckpt == lip:  # the hybrid has no LoFAST layer bounds
+        if proven and ckpt == lip:  # no LoFAST layer bounds
             continue
         d = out / "tightness" / key
         name = ckpt.stem
@@ -347,7 +347,7 @@ def write_report(plan: Plan, record: dict[str, Any]) -> Path:
     type=click.Choice(tuple(PRESETS)),
     help="model size for all three models (default: `lipvit train`'s "
     "per-dataset and per-family preset: digits-tiny/digits-small on digits, "
-    "fmnist-3x64/fmnist-hybrid on fashion-mnist)",
+    "fmnist-3x64/fmnist-cait on fashion-mnist)",
 )
 @click.option(
     "--epochs",
