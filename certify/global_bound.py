@@ -113,7 +113,8 @@ def proven_chain(model: nn.Module, capped: bool = False) -> Chain:
     M = M_norm = None
     if model.config.arch == "cait" and not capped:
         ca = model.cls_attn
-        W = model.head_hidden.weight.reshape(-1, ca.num_heads, ca.value_dim)  # (out, H, d)
+        # (out, H, d): the columns of the hidden layer that read each head
+        W = model.head_hidden.weight.reshape(-1, ca.num_heads, ca.value_dim)
         M = torch.einsum("ohv,hDv->hoD", W, ca.value)  # (H, out, D): W_h W_v[h]ᵀ
         M_norm = spectral_norm(M.permute(1, 0, 2).reshape(M.shape[1], -1))
     return Chain(stem, tuple(maps), tuple(norms), tuple(L_A), tuple(gate),

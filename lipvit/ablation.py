@@ -6,7 +6,7 @@ import copy
 
 from torch import nn
 
-from lipvit.lipschitz_blocks import ClassAttention, GatedAttention
+from lipvit.lipschitz_blocks import attention_maps
 
 
 def ablate_attention(model: nn.Module) -> nn.Module:
@@ -20,7 +20,7 @@ def ablate_attention(model: nn.Module) -> nn.Module:
             hybrid ViT and CaiT have them).
     """
     out = copy.deepcopy(model)
-    blocks = [m for m in out.modules() if isinstance(m, GatedAttention | ClassAttention)]
+    blocks = attention_maps(out)
     if not blocks:
         raise ValueError(
             "ablate_attention needs the lipschitz family's hybrid ViT or CaiT "

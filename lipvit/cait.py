@@ -91,8 +91,8 @@ class LipschitzCaiT(ConvTokens):
         and its attention's proven global constant ``L_A``."""
         out, t = [], self.tokens(x)
         for block in self.blocks:
-            content, bias = block.attn.logits(t)
-            out.append(logit_spreads(content, bias, block.attn.gate(), block.attn.lipschitz()))
+            attn = block.attn
+            out.append(logit_spreads(*attn.logits(t), attn.gate(), attn.lipschitz()))
             t = block(t)
         content, _ = self.cls_attn.logits(t)
         one = torch.ones((), dtype=t.dtype)

@@ -165,7 +165,8 @@ class ViTConfig:
                 f"conv_kernel must be an odd positive integer, got {self.conv_kernel!r}"
             )
         if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+            raise ValueError(
+                f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.arch != "vit":
             self._check_conv_stem()
         if not self.mlp_ratio > 0:
@@ -216,13 +217,15 @@ class ViTConfig:
                 raise ValueError(
                     f"arch 'cait' needs an even MLP width (MaxMin pairs its units), "
                     f"got embed_dim × mlp_ratio = {self.mlp_hidden}")
-            if not (isinstance(self.cls_content, float | int) and self.cls_content >= 0):
-                raise ValueError(f"cls_content must be ≥ 0, got {self.cls_content!r}")
+            content = self.cls_content
+            if not (isinstance(content, float | int) and content >= 0):
+                raise ValueError(f"cls_content must be ≥ 0, got {content!r}")
             for name, low in (("cls_heads", 0), ("cls_key_dim", 1),
                               ("cls_value_dim", 1)):
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                    raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
+                    raise ValueError(
+                        f"{name} must be an integer ≥ {low}, got {value!r}")
 
     @property
     def head_dim(self) -> int:

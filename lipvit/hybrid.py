@@ -39,7 +39,8 @@ class HybridViT(ConvTokens):
     def __init__(self, cfg: ViTConfig):
         super().__init__(cfg)
         self.blocks = nn.ModuleList(GatedAttention(cfg) for _ in range(cfg.depth))
-        self.head_hidden = capped_linear(cfg.num_patches * cfg.embed_dim, cfg.head_hidden)
+        self.head_hidden = capped_linear(cfg.num_patches * cfg.embed_dim,
+                                         cfg.head_hidden)
         self.head = capped_linear(cfg.head_hidden, cfg.num_classes)
         for layer in (self.embed, self.head_hidden, self.head):
             nn.init.orthogonal_(layer.parametrizations.weight.original)

@@ -16,7 +16,8 @@ symbol        variable            meaning
 ``R``         ``radius``          token projection radius before an attention
 ``A_h``       ``A``               ``W_q[h] W_k[h]ᵀ / √d`` (self-attention)
 ``a_h``       ``a``               ``W_k[h] q_h / √d`` (class attention)
-``β_h``       ``beta``            ``‖A_h‖ R²`` or ``‖a_h‖ R``: no content logit exceeds it
+``β_h``       ``beta``            ``‖A_h‖ R²`` or ``‖a_h‖ R``: no content logit
+                                  exceeds it in size
 ``B_h``       ``B``               learned positional bias
 ``P⁰_h``      ``P0``              ``softmax(B_h)``
 ``g``         ``gate``            ``sigmoid(γ)``, a residual block's gate
@@ -121,7 +122,8 @@ def class_attention_lipschitz(norms: AttentionNorms, B: Tensor, radius: float
 def class_attention_paths(norms: AttentionNorms, P_bar: Tensor, soft: Tensor,
                           exact: bool = True) -> tuple[Tensor, Tensor]:
     """``‖W_o‖ (max_j ν_j)^{1/2}`` and ``‖W_o‖ (max_j μ_j)^{1/2}``, the value
-    and softmax paths of class attention (docs/math.md §9.4), from bounds ``P_bar`` ``(..., H, N)`` of the
+    and softmax paths of class attention (docs/math.md §9.4), from bounds
+    ``P_bar`` ``(..., H, N)`` of the
     attention weights and ``soft`` ``(..., H)`` of ``‖a_h‖ s_h``, ``s_h`` a
     bound of the values' spread ``(Σ_j P_h[j] ‖v_hj − v̄_h‖²)^{1/2}``:
     ``ν_j = min(max_h P̄_h[j] ‖W_v‖², Σ_h P̄_h[j] ‖W_v[h]‖²)`` and ``μ_j = Σ_h
@@ -179,7 +181,8 @@ class ConvTokens(nn.Module):
         and centring cost nothing)."""
         L = spectral_norm(self.embed.weight)
         for conv in self.stem:
-            L = L * conv_operator_norm(conv.weight, conv.parametrizations.weight[0].size)
+            size = conv.parametrizations.weight[0].size  # the image side it caps for
+            L = L * conv_operator_norm(conv.weight, size)
         return L
 
 
@@ -234,7 +237,7 @@ class GatedAttention(nn.Module):
     def scale(self) -> Tensor:
         """``s``, what the attention's output is divided by."""
         if not self.normalize:
-            return torch.ones((), dtype=self.pos_bias.dtype, device=self.pos_bias.device)
+            return self.pos_bias.new_ones(())
         return self.lipschitz().clamp_min(1.0)
 
     def _heads(self, x: Tensor) -> Tensor:
@@ -369,6 +372,13 @@ class ClassAttention(nn.Module):
         P = (S + self.pos_bias).softmax(dim=-1)  # (B, H, N)
         pooled = P @ x_hat  # (B, H, D)
         return torch.einsum("bhD,hDv->bhv", pooled, self.value).flatten(1)  # (B, H·d_v)
+
+
+def attention_maps(model: nn.Module) -> list[nn.Module]:
+    """``model``'s attention maps in the order a forward pass runs them: its
+    gated self-attention blocks, then (CaiT) its class attention."""
+    return [m for m in model.modules()
+            if isinstance(m, GatedAttention | ClassAttention)]
 
 
 def logit_spreads(content: Tensor, bias: Tensor, gate: Tensor, L_A: Tensor

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lipvit.certify.certification import float64_model
-from lipvit.certify.global_bound import global_constant
 from torch import Tensor, nn
 
 from lipvit.ablation import ablate_attention
+from lipvit.certify.certification import float64_model
+from lipvit.certify.global_bound import global_constant
 
 
 def proven_summary(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from lipvit.certify.ball.attention import (
     class_head_local,
     self_attention_local,
 )
-from lipvit.certify.ball.network import BallCertificate, ball_bound, ball_constant
+from lipvit.certify.ball.network import BallCertificate, ball_bound
 from lipvit.certify.evaluate import certify_samples
 from lipvit.certify.global_bound import global_constant, global_radius, proven_chain
 from torch.func import jacrev

@@ -93,7 +93,8 @@ def self_attention_local(
     A_norm = norms.content[None, :, None]  # (1, H, 1) ‖A_h‖
     beta = A_norm * R**2
     kappa = torch.einsum("hDd,bhnd->bhnD", W_q, k).norm(dim=-1) / math.sqrt(d)
-    rho = torch.einsum("hDd,bhnd->bhnD", W_k, q).norm(dim=-1) / math.sqrt(d)  # (B, H, N)
+    # (B, H, N) each
+    rho = torch.einsum("hDd,bhnd->bhnD", W_k, q).norm(dim=-1) / math.sqrt(d)
     dl = delta[:, None, None]  # (B, 1, 1)
     # Logit moves, eq. (10.3): u κ_j + ρ_i w + ‖A‖ u w with u² + w² ≤ δ² (i ≠ j).
     Delta = (dl[..., None] * (kappa[:, :, None, :] ** 2 + rho[..., None] ** 2).sqrt()

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lipvit.lipschitz_blocks import AttentionNorms, ClassAttention, GatedAttention
+from lipvit.lipschitz_blocks import AttentionNorms, ClassAttention, attention_maps
 
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
@@ -45,12 +45,6 @@ def local_constant(attn: nn.Module, norms: AttentionNorms, t: Tensor, delta: Ten
     W_q, W_k, W_v, _ = attn.weights()
     return self_attention_local(t, delta, W_q, W_k, W_v, norms, attn.pos_bias,
                                 attn.radius, exact=exact)
-
-
-def attention_maps(model: nn.Module) -> list[nn.Module]:
-    """``model``'s attention maps in the order a forward pass runs them: the
-    gated self-attention blocks, then (CaiT) the class attention."""
-    return [m for m in model.modules() if isinstance(m, GatedAttention | ClassAttention)]
 
 
 def attention_inputs(model: nn.Module, x: Tensor) -> tuple[Tensor, list[Tensor]]:

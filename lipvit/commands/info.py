@@ -148,9 +148,9 @@ def info_command(path: Path, as_json: bool, ablate_attention: bool, n: int | Non
         )
     if "ablation" in d:
         a = d["ablation"]
-        lines.append(f"ablation     test accuracy {100 * a['accuracy']:.2f}%, with every "
-                     f"attention term removed {100 * a['ablated_accuracy']:.2f}% "
-                     f"({a['n']} test images)")
+        lines.append(f"ablation     test accuracy {100 * a['accuracy']:.2f}%, with "
+                     "every attention term removed "
+                     f"{100 * a['ablated_accuracy']:.2f}% ({a['n']} test images)")
     proven = None if s is None else s.get("proven", s.get("hybrid"))
     if proven is not None:  # hybrid ViT, CaiT: no W_q, W_k, W_v table
         lines.append(f"{proven.get('arch', 'hybrid'):<12} {proven_text(proven)}")

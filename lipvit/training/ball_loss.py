@@ -23,8 +23,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from lipvit.certify.ball.network import attention_maps, ball_constant
+from lipvit.certify.ball.network import ball_constant
 from lipvit.certify.global_bound import proven_chain
+from lipvit.lipschitz_blocks import attention_maps
 
 
 class BallLoss:
