@@ -63,16 +63,7 @@ class LipschitzCaiT(ConvTokens):
         self.cls_attn = ClassAttention(cfg)
         self.head_hidden = capped_linear(self.cls_attn.out_features, cfg.head_hidden)
         self.head = capped_linear(cfg.head_hidden, cfg.num_classes)
-        for layer in (self.embed, self.head_hidden, self.head):
-            nn.init.orthogonal_(layer.parametrizations.weight.original)
-            nn.init.zeros_(layer.bias)
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Images to the last block's tokens ``(B, N, D)``."""
-        t = self.tokens(x)
-        for block in self.blocks:
-            t = block(t)
-        return t
+        self.init_head()
 
     def forward_head(self, t: Tensor) -> Tensor:
         """The last block's tokens ``(B, N, D)`` to logits: the class token and

@@ -42,16 +42,7 @@ class HybridViT(ConvTokens):
         self.head_hidden = capped_linear(cfg.num_patches * cfg.embed_dim,
                                          cfg.head_hidden)
         self.head = capped_linear(cfg.head_hidden, cfg.num_classes)
-        for layer in (self.embed, self.head_hidden, self.head):
-            nn.init.orthogonal_(layer.parametrizations.weight.original)
-            nn.init.zeros_(layer.bias)
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Images to the last block's tokens ``(B, N, D)``."""
-        t = self.tokens(x)
-        for block in self.blocks:
-            t = block(t)
-        return t
+        self.init_head()
 
     def forward(self, x: Tensor) -> Tensor:
         z = self.forward_features(x).flatten(1)  # (B, N·D)

@@ -175,6 +175,21 @@ class ConvTokens(nn.Module):
             x = F.pixel_unshuffle(max_min(conv(x), dim=1), 2)  # (B, 4c, S', S')
         return self.embed(x.flatten(2).mT) + self.pos_embed  # (B, N, D)
 
+    def init_head(self) -> None:
+        """Orthogonal weights and zero biases for the embedding and the head's
+        two layers (the subclass's ``head_hidden`` and ``head``)."""
+        for layer in (self.embed, self.head_hidden, self.head):
+            nn.init.orthogonal_(layer.parametrizations.weight.original)
+            nn.init.zeros_(layer.bias)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images to the last block's tokens ``(B, N, D)`` (the subclass's
+        ``blocks``)."""
+        t = self.tokens(x)
+        for block in self.blocks:
+            t = block(t)
+        return t
+
     def stem_lipschitz(self) -> Tensor:
         """Proven constant of :meth:`tokens`: the convolutions' bounds (9.1)
         times the embedding's spectral norm (MaxMin, unshuffling, positions
