@@ -336,6 +336,30 @@ def test_cli_trains_and_certifies_cait(tmp_path):
         assert bad.exit_code == 1 and flag in bad.output.strip().splitlines()[-1]
 
 
+def test_cait_mixes_tokens_only_in_attention():
+    """With every attention term removed, each token's path through the
+    blocks reads that token alone (a block-diagonal Jacobian), and no linear
+    map reads the tokens flattened together."""
+    cfg = cait_config(12)
+    model = sharpened(LipschitzCaiT(cfg), 0, 1.0)
+    N, D = cfg.num_patches, cfg.embed_dim
+    assert not any(isinstance(m, torch.nn.Linear) and m.in_features == N * D
+                   for m in model.modules())
+    ablated = lipvit.ablate_attention(model)
+    t0 = torch.randn(N, D, dtype=torch.float64)
+
+    def blocks(t):
+        for block in ablated.blocks:
+            t = block(t[None])[0]
+        return t
+
+    J = jacrev(blocks)(t0)  # (N, D, N, D)
+    off = J * (1 - torch.eye(N, dtype=J.dtype))[:, None, :, None]
+    assert off.abs().max() == 0
+    J_full = jacrev(lambda t: model.blocks[0](t[None])[0])(t0)
+    assert (J_full * (1 - torch.eye(N, dtype=J.dtype))[:, None, :, None]).abs().max() > 0
+
+
 def test_cait_config_is_checked():
     with pytest.raises(ValueError, match="lipschitz family only"):
         cait_config(family="standard")
