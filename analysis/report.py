@@ -30,8 +30,11 @@ METHOD_SENTENCES = {
              "(auto_LiRPA).",
     "alpha-crown": "CROWN with optimised ReLU slopes.",
     "global": "bounds each class pair's margin by the model's proven global "
-              "Lipschitz constant, ε·L·‖w_y − w_j‖ (the hybrid ViT, "
+              "Lipschitz constant, ε·L·‖w_y − w_j‖ (the hybrid ViT, CaiT; "
               "docs/math.md §9).",
+    "ball": "bounds each class pair's margin by ε·L(x, ε)·‖w_y − w_j‖, the "
+            "attention maps' local constants over the ε-ball times the other "
+            "maps' proven ones (the hybrid ViT, CaiT; docs/math.md §10).",
     "smoothing": "randomized smoothing (Cohen et al. 2019): a **probabilistic** "
                  "certificate (probability 1 − α per point) of the smoothed "
                  "classifier under Gaussian noise, **not** of the network.",
@@ -48,6 +51,7 @@ METHOD_BOUNDS = {
     "cascade": "LoFAST, then CROWN where it did not certify",
     "cascade-taylor": "taylor, then CROWN where it did not certify",
     "global": "each class pair (the proven global constant)",
+    "ball": "each class pair (local constants over the ε-ball)",
     "smoothing": "the smoothed classifier, with probability 1 − α (probabilistic)",
 }
 """What each method bounds, in a few words: the figure captions."""

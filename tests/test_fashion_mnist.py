@@ -211,6 +211,10 @@ def test_schedules_per_dataset() -> None:
     assert hybrid.margin > 0 and hybrid.loss_scale == 4.0
     assert hybrid.relu_stability == 0 and not any(hybrid.msvp)
     assert train_config_for("lipschitz", arch="hybrid", margin=0.0).margin == 0.0
+    # CaiT (the lipschitz default on Fashion-MNIST): trained for ball at 0.1.
+    cait = train_config_for("lipschitz", "fashion-mnist", arch="cait")
+    assert (cait.epochs, cait.batch_size, cait.cert_eps) == (16, 256, 0.1)
+    assert cait.relu_stability == 0 and not any(cait.msvp) and not cait.augment
 
 
 # ---------------------------------------------------------------- CLI and pipeline
@@ -236,10 +240,10 @@ def test_cli_train_defaults_to_the_fashion_mnist_preset(tmp_path: Path) -> None:
         "--out", str(tmp_path / "lip.pt")])
     assert result.exit_code == 0, result.output
     lip = load_checkpoint(tmp_path / "lip.pt")
-    assert (lip.config.arch, lip.config.embed_dim) == ("hybrid", 64)  # fmnist-hybrid
+    assert (lip.config.arch, lip.config.embed_dim) == ("cait", 64)  # fmnist-cait
     assert lip.summary["train_config"]["batch_size"] == 256
-    assert lip.summary["proven"]["global_constant"] <= 1 + 1e-6
-    assert "global constant" in result.output
+    assert lip.summary["proven"]["arch"] == "cait"
+    assert "global constant" in result.output and "without attention" in result.output
 
 
 @pytest.mark.parametrize("command", [
@@ -269,12 +273,12 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
             assert args[args.index("--dataset") + 1] == "fashion-mnist"
             assert "--preset" not in args  # `lipvit train` picks the presets
             assert "--init" not in args  # every model in one command
-        # The lipschitz model is the hybrid ViT: no MSVP, certified by `global`
-        # only, and no LoFAST tightness or CROWN steps on it.
+        # The lipschitz model is CaiT: no MSVP, certified by `ball` and
+        # `global` only, and no LoFAST tightness or CROWN steps on it.
         lip = list(trains[-1].args)
         assert lip[lip.index("--msvp") + 1] == "0"
         cert = list(next(s for s in plan.steps if s.key == "certify/lipschitz").args)
-        assert cert[cert.index("--method") + 1] == "global"
+        assert cert[cert.index("--method") + 1] == "ball,global"
         keys = {s.key for s in plan.steps}
         assert not keys & {"tightness/layer", "tightness/layer-residual",
                            "tightness/network", "tightness/margin-lipschitz",
@@ -298,8 +302,8 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
 
 def test_pipeline_trains_and_certifies_the_hybrid(tmp_path: Path) -> None:
     """The Fashion-MNIST pipeline's lipschitz steps on a tiny fake dataset:
-    one `lipvit train` (the hybrid, no MSVP), certified with `global`, whose
-    report section names the method and the model's constant."""
+    one `lipvit train` (CaiT, no MSVP), certified with `ball` and `global`,
+    whose report section names the methods and the model's constant."""
     import json
 
     from lipvit.analysis.report import pipeline_report
@@ -315,13 +319,14 @@ def test_pipeline_trains_and_certifies_the_hybrid(tmp_path: Path) -> None:
     assert run_step(steps["train/lipschitz"], False) == "ran"
     assert run_step(steps["certify/lipschitz"], False) == "ran"
     ckpt = load_checkpoint(plan.model("lipschitz"))
-    assert ckpt.config.arch == "hybrid"
+    assert ckpt.config.arch == "cait"
     assert not any(ckpt.summary["train_config"]["msvp"])
     cert = json.loads((plan.out / "certify" / "lipschitz.json").read_text())
-    assert {r["method"] for r in cert["results"]} == {"global"}
+    assert {r["method"] for r in cert["results"]} == {"ball", "global"}
     report = pipeline_report(plan.out, {}, {}).render()
     assert "`global`: bounds each class pair's margin" in report
-    assert "proven global constant L = 1.0000" in report
+    assert "`ball`: " in report
+    assert "The lipschitz model is CaiT" in report
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason=f"{REAL} absent "
