@@ -16,7 +16,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 PUBLIC = {
     "lipvit": [
         "Checkpoint", "Dataset", "PRESETS", "TrainConfig", "ViT", "ViTConfig",
-        "__version__", "load_checkpoint", "load_dataset", "load_timm", "preset",
+        "__version__", "ablate_attention", "load_checkpoint", "load_dataset",
+        "load_timm", "preset",
         "save_checkpoint", "save_hf", "save_timm", "train", "train_config_for",
         "vit_from_hf", "vit_from_timm",
     ],
