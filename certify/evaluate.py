@@ -372,6 +372,23 @@ def certify_samples(
         if progress is not None:
             progress(samples * share)
 
+    # Outside the cache below: torch's parametrization cache keys a weight by the
+    # module it was registered on, which every deepcopy shares, so the float32
+    # base classifier and the float64 model would read each other's weights.
+    smoothed = None
+    if "smoothing" in methods:
+        t0 = time.perf_counter()
+        smoothed = certify_smoothed(network, x, smoothing,
+                                    num_classes=model.config.num_classes,
+                                    index=index, progress=advance)
+        add("smoothing", time.perf_counter() - t0)
+        for eps in eps_list:
+            ok = smoothed.certified(y, eps).to(y.device)
+            certified[f"smoothing@{eps}"] = [ok]
+            add(f"smoothing@{eps}", 0.0)
+        if radius:
+            radii["smoothing"] = [smoothed.certified_radius(y).to(x.device)]
+
     # Capped weights (convolution caps, spectral caps) computed once for the run.
     with parametrize.cached():
         gc = chain = None  # the proven constants, computed once
@@ -384,20 +401,6 @@ def certify_samples(
             with torch.no_grad():
                 chain = proven_chain(model)
             add("ball", time.perf_counter() - t0)
-
-        smoothed = None
-        if "smoothing" in methods:
-            t0 = time.perf_counter()
-            smoothed = certify_smoothed(network, x, smoothing,
-                                        num_classes=model.config.num_classes,
-                                        index=index, progress=advance)
-            add("smoothing", time.perf_counter() - t0)
-            for eps in eps_list:
-                ok = smoothed.certified(y, eps).to(y.device)
-                certified[f"smoothing@{eps}"] = [ok]
-                add(f"smoothing@{eps}", 0.0)
-            if radius:
-                radii["smoothing"] = [smoothed.certified_radius(y).to(x.device)]
 
         crown = None  # one bounded model for the whole run
         if crown_runs:
