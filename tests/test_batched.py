@@ -5,8 +5,11 @@ pushes' sizes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from lipvit.certify.certification import falsi_radius
 from lipvit.certify.lofast.network import network_bound
 from lipvit.certify.taylor.certificate import taylor_bound
 
@@ -59,6 +62,32 @@ def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, push,
             each = [t.remainders(torch.full((1,), eps, dtype=F64))[name] for t in alone]
             assert _close(value, torch.cat(each)), (eps, name)
     assert _close(together.radius(), torch.cat([t.radius() for t in alone]))
+
+
+@pytest.mark.parametrize("family", ["lipschitz", "standard"])
+def test_radius_search_probes_only_the_samples_still_searching(family, monkeypatch):
+    """The radius search that computes only the samples still searching gives
+    the radii of the one that probes the whole batch every time (the others at
+    ε = 0), to 1e-9, on a batch whose samples converge at different probes:
+    each probe after the first few serves fewer samples. (Without the
+    second-order models, which are built per sample: the test above restricts
+    them in its radius search.)"""
+    monkeypatch.setattr("lipvit.certify.taylor.margin_jets.supports", lambda m: False)
+    model, x, y = _batch(family, 3, n=4)
+    tb = taylor_bound(model, x, y)
+    served = []
+
+    def take(index):
+        served.append(len(index))
+        return tb.take(index)
+
+    restricted = replace(tb, take=take).radius()
+    monkeypatch.setattr(
+        "lipvit.certify.taylor.certificate.falsi_radius",
+        lambda slack, *args, restrict=None, **kw: falsi_radius(slack, *args, **kw))
+    assert _close(restricted, tb.radius())
+    assert served == sorted(served, reverse=True) and len(set(served)) >= 2, served
+    assert bool((restricted > 0).all())
 
 
 def test_lofast_of_a_batch_is_each_samples_alone():

@@ -207,6 +207,11 @@ def logit_variance(T: Tensor, P: Tensor) -> LogitVariance:
     return LogitVariance(whole, row, whole_all, row_all)
 
 
+_BATCHED = ("stream", "stream_token", "attn_in", "cls", "logits", "queries", "keys",
+            "logit_rows", "attn_hessian")
+""":class:`JacobianNorms`' tensor fields, each ``(B, …)``."""
+
+
 @dataclass(frozen=True)
 class JacobianNorms:
     """Norms of the clean point's Jacobians from the image, ``J_{u←x}``.
@@ -253,13 +258,21 @@ class JacobianNorms:
     attn_hessian: Tensor
     exact: bool = True
 
+    def take(self, index: Tensor) -> JacobianNorms:
+        """The norms of the samples ``index`` ``(b,)`` of the batch."""
+        return JacobianNorms(
+            **{name: getattr(self, name)[index] for name in _BATCHED},
+            act_in=[t[index] for t in self.act_in],
+            variance=LogitVariance(*(t[index] for t in self.variance)),
+            exact=self.exact,
+        )
+
     @staticmethod
     def cat(parts: list[JacobianNorms]) -> JacobianNorms:
         """The norms of consecutive batches ``parts`` as one batch."""
         first = parts[0]
         fields = {name: torch.cat([getattr(p, name) for p in parts])
-                  for name in ("stream", "stream_token", "attn_in", "cls", "logits",
-                               "queries", "keys", "logit_rows", "attn_hessian")}
+                  for name in _BATCHED}
         return JacobianNorms(
             **fields,
             act_in=[torch.cat([p.act_in[k] for p in parts])
