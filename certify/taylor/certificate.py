@@ -73,7 +73,12 @@ from lipvit.certify.lofast.layer import LoFASTTerms
 from lipvit.certify.lofast.network import NetworkBound, network_bound
 from lipvit.certify.taylor import margin_jets
 from lipvit.certify.taylor.forward import SITES, Record, check_supported, forward
-from lipvit.certify.taylor.jacobian_norms import JacobianNorms, jacobian_norms, jets_fit
+from lipvit.certify.taylor.jacobian_norms import (
+    JacobianNorms,
+    jacobian_norms,
+    jets_fit,
+    resident_bytes,
+)
 from lipvit.certify.taylor.linearized import Linearized
 from lipvit.certify.taylor.remainders import (
     ImagePart,
@@ -857,7 +862,8 @@ class _CleanPoint:
         self.grads = site_gradients(model, x, y)
         clean, logits = self.grads.clean, self.grads.logits
         self.lin = lin = Linearized(model, x)  # the clean points, the batch at once
-        self.jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin)
+        self.jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin,
+                                 held=len(x) * resident_bytes(model, max_memory))
         exact = subblock_norms(model, clean)
         B, K = logits.shape
         self.wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
