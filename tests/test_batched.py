@@ -14,7 +14,7 @@ from lipvit.certify.lofast.network import network_bound
 from lipvit.certify.taylor.certificate import taylor_bound
 
 from lipvit.spectral import matrix_power_iteration
-from tests.conftest import nonlinear_model
+from tests.conftest import nonlinear_model, share_jets
 
 F64 = torch.float64
 EPS = (0.005, 0.02, 0.1)
@@ -36,17 +36,27 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return same_inf and torch.allclose(a[fin], b[fin], rtol=1e-9, atol=1e-300)
 
 
+@pytest.fixture(scope="module")
+def jets_cache() -> dict:
+    """The standard model's second-order models, built once for this module
+    (:func:`tests.conftest.share_jets`): each is one sample's, built from that
+    sample alone whatever its batch, and depends on neither the Jacobian
+    norms' mode nor the push size."""
+    return {}
+
+
 @pytest.mark.parametrize("push", [None, 3])
 @pytest.mark.parametrize(("family", "kw"), [
     ("lipschitz", {}), ("lipschitz", {"attn_project": "token"}), ("standard", {}),
 ])
 @pytest.mark.parametrize("exact", [True, False])
 def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, push,
-                                                 monkeypatch):
+                                                 monkeypatch, jets_cache):
     """Margin drops at several ε, every remainder part and the radii of three
     images together equal each image's alone; ``exact``: the whole-matrix
     Jacobian norms from Gram matrices, else the patch-block bound; ``push``:
     tangents per sample and push (a few: many pushes; ``None``: the default)."""
+    share_jets(monkeypatch, jets_cache)
     if not exact:
         monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
     if push is not None:
