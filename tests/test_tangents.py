@@ -277,7 +277,7 @@ def test_bounds_are_not_changed_by_later_model_changes(family):
     from lipvit.certify.lofast.network import network_bound
     from lipvit.certify.taylor.certificate import taylor_bound
 
-    model = _model(family, 6, depth=2).train()
+    model = _model(family, 6, depth=2, patch_size=4).train()  # 5 tokens: any size
     x = _images(3, 6)
     with torch.no_grad():
         y = model(x).argmax(1)
