@@ -864,7 +864,7 @@ class _CleanPoint:
         self.lin = lin = Linearized(model, x)  # the clean points, the batch at once
         self.jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin,
                                  held=len(x) * resident_bytes(model, max_memory))
-        exact = subblock_norms(model, clean)
+        exact = subblock_norms(model, clean, max_memory=max_memory)
         B, K = logits.shape
         self.wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
         self.wrong[torch.arange(B), y] = False

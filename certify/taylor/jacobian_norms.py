@@ -173,7 +173,7 @@ def taylor_batch(model: ViT, max_memory: int | None, exact_max: int | None = Non
     time), whichever is larger: they run one after the other."""
     exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
     apart = max(sample_bytes(model, plan(model, exact_max, max_memory)),
-                dense_bytes(model))
+                dense_bytes(model, max_memory))
     return max(1, (memory_budget(max_memory) - apart)
                // resident_bytes(model, max_memory))
 
