@@ -146,16 +146,18 @@ def resident_bytes(model: ViT, max_memory: int | None) -> int:
     call holds beside the Jacobian norms' tangents: one autograd graph of the
     forward pass per class (the margins' gradients, back-substituted at every
     ε; the radius search's graph of the samples still searching takes the
-    batch's place), its symbols' accumulators and one push of its symbols'
-    tangents (:func:`~lipvit.certify.taylor.linearized.push_size` of them), and
-    its second-order Taylor model
+    batch's place) and as much again while a back-substitution runs through
+    it, its symbols' accumulators and one push of its symbols' tangents
+    (:func:`~lipvit.certify.taylor.linearized.push_size` of them), and its
+    second-order Taylor model
     (:func:`lipvit.certify.taylor.margin_jets.jet_bytes`) where one is built
     (:func:`jets_fit`)."""
     N, D, H, m, K, _ = _sizes(model)
     graph = 8 * K * N * (8 * D + 4 * m + 3 * H * N)  # one forward pass, kept
     carried = 8 * (2 * (2 * K + 1) * N * D + 2 * K * N * D + 2 * K * N * m)
     push = max(1, CACHE_BYTES // (8 * H * N * N))  # push_size's symbols
-    per_sample = model.config.num_classes * graph + carried + push * _bytes(model)[2]
+    per_sample = (2 * model.config.num_classes * graph + carried
+                  + push * _bytes(model)[2])
     if jets_fit(model, max_memory):
         per_sample += margin_jets.jet_bytes(model)
     return per_sample
