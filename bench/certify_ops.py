@@ -8,8 +8,9 @@ large the batch. This counts every ATen operation that reaches the dispatcher
 one method with ``--radius`` on a batch of random images of a random-weight
 model (build, the margin drop at one ε, the radius search: what ``lipvit
 certify`` runs), and prints operations and seconds per sample with their
-ratios to batch 1, measured in the same run, and the process's peak resident
-memory so far (batches run in increasing size).
+ratios to batch 1, measured in the same run (wall-clock and the process's
+CPU seconds: on a shared machine the CPU seconds are the steadier), and the
+process's peak resident memory so far (batches run in increasing size).
 
     python bench/certify_ops.py                       # fmnist-3x64, batch 1, 8
     python bench/certify_ops.py --preset cifar-lofast-3x128 --batch 1,8,32
@@ -48,14 +49,15 @@ class OpCounter(TorchDispatchMode):
 
 
 def measure(model, x, y, method: str, eps: float, max_memory: int | None
-            ) -> tuple[int, float]:
-    """``(operations, seconds)`` of one ``certify_samples`` call on ``x``."""
+            ) -> tuple[int, float, float]:
+    """``(operations, seconds, CPU seconds)`` of one ``certify_samples`` call on
+    ``x``."""
     counter = OpCounter()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with counter:
         certify_samples(model, x, y, [method], [eps], radius=True,
                         batch_size=x.shape[0], max_memory=max_memory)
-    return counter.count, time.perf_counter() - t0
+    return counter.count, time.perf_counter() - t0, time.process_time() - c0
 
 
 def main() -> None:
@@ -87,16 +89,18 @@ def main() -> None:
     print(f"machine: {platform.platform()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"{'batch':>5}  {'ops/sample':>11}  {'ratio':>6}  {'s/sample':>9}  "
-          f"{'ratio':>6}  {'peak RSS GiB':>12}")
+          f"{'ratio':>6}  {'CPU s/sample':>12}  {'ratio':>6}  {'peak RSS GiB':>12}",
+          flush=True)
     base = None
     for b in batches:
-        ops, seconds = measure(model, x_all[:b], y_all[:b], args.method, args.eps,
-                               memory)
-        per = (ops / b, seconds / b)
+        ops, seconds, cpu = measure(model, x_all[:b], y_all[:b], args.method,
+                                    args.eps, memory)
+        per = (ops / b, seconds / b, cpu / b)
         base = base or per
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
         print(f"{b:>5}  {per[0]:>11.0f}  {per[0] / base[0]:>6.3f}  {per[1]:>9.3f}  "
-              f"{per[1] / base[1]:>6.3f}  {peak:>12.2f}")
+              f"{per[1] / base[1]:>6.3f}  {per[2]:>12.3f}  {per[2] / base[2]:>6.3f}  "
+              f"{peak:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def falsi_radius(
     tol: float = 0.0,
     max_iter: int = 100,
     probed: Sequence[tuple[float, Tensor]] = (),
+    restrict: Callable[[Tensor], Callable[[Tensor], Tensor]] | None = None,
 ) -> Tensor:
     """Largest certified ε per sample from a certificate's *slack*, by a
     safeguarded secant search: fewer probes than :func:`bisect_radius` when the
@@ -205,6 +206,11 @@ def falsi_radius(
         probed: ``(ε, slack (B,))`` pairs already computed with the same
             ``slack`` (e.g. the per-ε results): they narrow the bracket, and
             an end they decide is not probed again.
+        restrict: ``index (b,) ↦`` the slack of the samples ``index`` alone
+            (``ε (b,) ↦ (b,)``, the same values as ``slack``'s): given, each
+            probe computes the samples still searching only (``restrict`` is
+            called once each time they change); else ``slack`` runs on the
+            whole batch, at ε = 0 for the others.
 
     Returns:
         ``(B,)`` radii: the lower end of the final bracket, a value at which the
@@ -213,10 +219,20 @@ def falsi_radius(
     if not (rtol >= 0 and tol >= 0 and (rtol > 0 or tol > 0)):
         raise ValueError("rtol, tol must be >= 0 (one > 0)")
 
+    current: list = [None, None]  # the samples restrict last served, their slack
+
     def probe(e: Tensor, active: Tensor) -> Tensor:
-        """Slack at ``e`` where ``active`` (probed at 0 elsewhere), NaN → −inf."""
-        f = slack(torch.where(active, e, torch.zeros_like(e))).detach()
-        return torch.nan_to_num(f, nan=-math.inf)
+        """Slack at ``e`` where ``active`` (probed at 0 elsewhere, or not at all
+        with ``restrict``: −inf), NaN → −inf."""
+        if restrict is None:
+            f = slack(torch.where(active, e, torch.zeros_like(e))).detach()
+            return torch.nan_to_num(f, nan=-math.inf)
+        index = active.nonzero()[:, 0]
+        if current[0] is None or not torch.equal(current[0], index):
+            current[:] = index, restrict(index)
+        f = torch.full_like(e, -math.inf)
+        f[index] = torch.nan_to_num(current[1](e[index]).detach(), nan=-math.inf)
+        return f
 
     lo = bracket[0].clamp_min(0)
     hi = torch.maximum(bracket[1].to(lo.dtype), lo)

@@ -5,20 +5,25 @@ pushes' sizes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from lipvit.certify.certification import falsi_radius
 from lipvit.certify.lofast.network import network_bound
 from lipvit.certify.taylor.certificate import taylor_bound
 
 from lipvit.spectral import matrix_power_iteration
-from tests.conftest import nonlinear_model
+from tests.conftest import nonlinear_model, share_jets
 
 F64 = torch.float64
 EPS = (0.005, 0.02, 0.1)
 
 
 def _batch(family: str, seed: int, n: int = 3, **kw):
-    model = nonlinear_model(family, seed, **kw)
+    """``n`` images of a nonlinear model with 4×4 patches (5 tokens: a sample's
+    bounds do not depend on its batch whatever the size, and every stage runs)."""
+    model = nonlinear_model(family, seed, patch_size=4, **kw)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.rand(n, 1, 8, 8, dtype=F64, generator=g)
     with torch.no_grad():
@@ -33,17 +38,27 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return same_inf and torch.allclose(a[fin], b[fin], rtol=1e-9, atol=1e-300)
 
 
+@pytest.fixture(scope="module")
+def jets_cache() -> dict:
+    """The standard model's second-order models, built once for this module
+    (:func:`tests.conftest.share_jets`): each is one sample's, built from that
+    sample alone whatever its batch, and depends on neither the Jacobian
+    norms' mode nor the push size."""
+    return {}
+
+
 @pytest.mark.parametrize("push", [None, 3])
 @pytest.mark.parametrize(("family", "kw"), [
     ("lipschitz", {}), ("lipschitz", {"attn_project": "token"}), ("standard", {}),
 ])
 @pytest.mark.parametrize("exact", [True, False])
 def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, push,
-                                                 monkeypatch):
+                                                 monkeypatch, jets_cache):
     """Margin drops at several ε, every remainder part and the radii of three
     images together equal each image's alone; ``exact``: the whole-matrix
     Jacobian norms from Gram matrices, else the patch-block bound; ``push``:
     tangents per sample and push (a few: many pushes; ``None``: the default)."""
+    share_jets(monkeypatch, jets_cache)
     if not exact:
         monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
     if push is not None:
@@ -59,6 +74,32 @@ def test_taylor_of_a_batch_is_each_samples_alone(family, kw, exact, push,
             each = [t.remainders(torch.full((1,), eps, dtype=F64))[name] for t in alone]
             assert _close(value, torch.cat(each)), (eps, name)
     assert _close(together.radius(), torch.cat([t.radius() for t in alone]))
+
+
+@pytest.mark.parametrize("family", ["lipschitz", "standard"])
+def test_radius_search_probes_only_the_samples_still_searching(family, monkeypatch):
+    """The radius search that computes only the samples still searching gives
+    the radii of the one that probes the whole batch every time (the others at
+    ε = 0), to 1e-9, on a batch whose samples converge at different probes:
+    each probe after the first few serves fewer samples. (Without the
+    second-order models, which are built per sample: the test above restricts
+    them in its radius search.)"""
+    monkeypatch.setattr("lipvit.certify.taylor.margin_jets.supports", lambda m: False)
+    model, x, y = _batch(family, 3, n=4)
+    tb = taylor_bound(model, x, y)
+    served = []
+
+    def take(index):
+        served.append(len(index))
+        return tb.take(index)
+
+    restricted = replace(tb, take=take).radius()
+    monkeypatch.setattr(
+        "lipvit.certify.taylor.certificate.falsi_radius",
+        lambda slack, *args, restrict=None, **kw: falsi_radius(slack, *args, **kw))
+    assert _close(restricted, tb.radius())
+    assert served == sorted(served, reverse=True) and len(set(served)) >= 2, served
+    assert bool((restricted > 0).all())
 
 
 def test_lofast_of_a_batch_is_each_samples_alone():

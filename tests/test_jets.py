@@ -170,6 +170,13 @@ def test_operations_polynomials_are_the_taylor_polynomials(seed):
     assert torch.allclose(j.Q[0], jacrev(jacrev(f))(zero), atol=1e-9)
 
 
+def _model(seed: int):
+    """The standard nonlinear model with 4×4 patches (5 tokens): the second-order
+    models' bounds hold at any size, and each costs ``n²`` times the (fewer)
+    activations."""
+    return nonlinear_model("standard", seed, patch_size=4)
+
+
 def _margins(model: ViT, x: Tensor, y: int):
     def m(z: Tensor) -> Tensor:
         out = model(z.view(1, *x.shape))[0]
@@ -180,7 +187,7 @@ def _margins(model: ViT, x: Tensor, y: int):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_margin_jet_is_the_second_order_taylor_polynomial(seed):
-    model = nonlinear_model("standard", seed)
+    model = _model(seed)
     for p in model.parameters():
         p.requires_grad_(False)
     x = torch.rand(1, 8, 8, generator=torch.Generator().manual_seed(seed), dtype=F64)
@@ -206,7 +213,7 @@ def jets_cache() -> dict:
 @pytest.mark.parametrize("eps", [0.02, 0.1])
 def test_margin_rest_and_drop_bound_pgd(seed, eps, monkeypatch, jets_cache):
     share_jets(monkeypatch, jets_cache)
-    model = nonlinear_model("standard", seed)
+    model = _model(seed)
     for p in model.parameters():
         p.requires_grad_(False)
     x = torch.rand(1, 8, 8, generator=torch.Generator().manual_seed(seed), dtype=F64)
@@ -265,7 +272,7 @@ def test_quadratic_minimum_is_a_tight_lower_bound(seed, case, eps):
 def test_taylor_with_jets_certifies_no_less_and_survives_pgd(seed, monkeypatch,
                                                             jets_cache):
     share_jets(monkeypatch, jets_cache)
-    model = nonlinear_model("standard", seed)
+    model = _model(seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(3, 1, 8, 8, generator=g, dtype=F64)
     with torch.no_grad():
@@ -315,7 +322,7 @@ def test_jets_are_built_only_within_the_memory_budget(monkeypatch, jets_cache):
     sample's (``jet_bytes`` beside the tangents' ``min_memory``) does not fit,
     ``taylor`` builds none and certifies without them (smaller, still sound)."""
     share_jets(monkeypatch, jets_cache)
-    model = nonlinear_model("standard", 0)
+    model = _model(0)
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
     with torch.no_grad():
         y = model(x).argmax(1)

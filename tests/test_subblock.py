@@ -147,7 +147,7 @@ def test_structured_bound_never_lowers_the_radius(family, monkeypatch):
     only tightens the budgets: every radius is at least the product bound's."""
     monkeypatch.setattr("lipvit.certify.taylor.subblock.EXACT_MAX", 0)
     kw = {"attn_radius": 3.0} if family == "lipschitz" else {}
-    model = nonlinear_model(family, 0, **kw)
+    model = nonlinear_model(family, 0, patch_size=4, **kw)  # 5 tokens: any size
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1 / 3)

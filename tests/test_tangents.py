@@ -7,12 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from lipvit.certify.memory import MemoryBudgetError, parse_memory
+from lipvit.certify.memory import MemoryBudgetError, memory_budget, parse_memory
 from lipvit.certify.taylor import jacobian_norms as tangents
 from lipvit.certify.taylor.forward import forward, forward_blocks
-from lipvit.certify.taylor.jacobian_norms import Plan, jacobian_norms, min_memory, plan
+from lipvit.certify.taylor.jacobian_norms import (
+    Plan,
+    jacobian_norms,
+    min_memory,
+    plan,
+    sample_bytes,
+    taylor_batch,
+)
 from lipvit.certify.taylor.linearized import Linearized
 
+from lipvit.config import preset
 from lipvit.errors import LipvitError
 from lipvit.model import ViT
 from tests.conftest import nonlinear_model
@@ -189,6 +197,40 @@ def test_chunking_does_not_change_the_norms(monkeypatch):
         assert torch.allclose(getattr(a, f), getattr(b, f), rtol=1e-12)
 
 
+def test_what_the_caller_holds_splits_the_batch_not_the_norms(monkeypatch):
+    """Bytes the caller holds beside the tangents (``taylor_bound``: its
+    samples' graphs and symbols) split the batch into parts of one sample,
+    each a part of the batch's ``Linearized``, with the norms of one part
+    (the exact Gram mode, every field)."""
+    model = _model("standard", 1)
+    x = _images(3, 1)
+    lin = Linearized(model, x)
+    whole = jacobian_norms(model, x, lin=lin)
+    parts, split = [], tangents.norms_of_batch
+
+    def spy(model, x, *args):
+        parts.append(len(x))
+        return split(model, x, *args)
+
+    monkeypatch.setattr(tangents, "norms_of_batch", spy)
+    one = sample_bytes(model, plan(model, tangents.EXACT_GRAM_MAX, None))
+    apart = jacobian_norms(model, x, lin=lin, held=memory_budget(None) - one)
+    assert parts == [3, 1, 1, 1] and whole.exact and apart.exact
+    for f in (*tangents._BATCHED, "act_in", "variance"):
+        for a, b in zip(getattr(apart, f), getattr(whole, f), strict=True):
+            assert torch.allclose(a, b, rtol=1e-12), f
+
+
+def test_a_batch_of_fashion_mnist_is_one_taylor_call_at_4_gib():
+    """The exact Jacobian norms' tangents (about 1.2 GiB a sample at 28×28) go
+    a part at a time beside the batch: ``taylor_batch`` counts what each
+    sample holds through the call and one sample's tangents, so 32 samples of
+    ``fmnist-3x64`` share one call at the default 4 GiB."""
+    model = ViT(preset("fmnist-3x64", family="lipschitz")).double()
+    assert sample_bytes(model, plan(model, tangents.EXACT_GRAM_MAX, None)) > 2**30
+    assert taylor_batch(model, 4 * 2**30) >= 32
+
+
 def test_a_budget_below_one_patch_is_refused_in_one_line():
     model = _model("standard", 0)
     with pytest.raises(MemoryBudgetError) as err:
@@ -235,7 +277,7 @@ def test_bounds_are_not_changed_by_later_model_changes(family):
     from lipvit.certify.lofast.network import network_bound
     from lipvit.certify.taylor.certificate import taylor_bound
 
-    model = _model(family, 6, depth=2).train()
+    model = _model(family, 6, depth=2, patch_size=4).train()  # 5 tokens: any size
     x = _images(3, 6)
     with torch.no_grad():
         y = model(x).argmax(1)

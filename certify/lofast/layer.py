@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -616,6 +616,14 @@ class LoFASTTerms:
     var_row: Tensor | None = None
     var_all: Tensor | None = None
     var_row_all: Tensor | None = None
+
+    def take(self, index: Tensor) -> LoFASTTerms:
+        """The terms of the samples ``index`` ``(b,)`` of the batch (the weights'
+        ``vo_norm``, ``qk_norm`` are every sample's)."""
+        rows = {f.name: t[index] for f in fields(self)
+                if isinstance(t := getattr(self, f.name), Tensor)
+                and f.name not in ("vo_norm", "qk_norm")}
+        return replace(self, **rows)
 
     def bound(self, eps: float | Tensor) -> LoFASTBound:
         """All LoFAST bounds at radius ``eps`` (a float or a ``(B,)`` tensor)."""

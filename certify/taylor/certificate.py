@@ -54,6 +54,7 @@ relative allowance of :data:`ROUNDING` covers float rounding.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,10 +69,16 @@ from lipvit.certify.local import (
     layer_project_local_lipschitz,
     layernorm_local_lipschitz,
 )
-from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.lofast.layer import LoFASTTerms
+from lipvit.certify.lofast.network import NetworkBound, network_bound
 from lipvit.certify.taylor import margin_jets
 from lipvit.certify.taylor.forward import SITES, Record, check_supported, forward
-from lipvit.certify.taylor.jacobian_norms import JacobianNorms, jacobian_norms, jets_fit
+from lipvit.certify.taylor.jacobian_norms import (
+    JacobianNorms,
+    jacobian_norms,
+    jets_fit,
+    resident_bytes,
+)
 from lipvit.certify.taylor.linearized import Linearized
 from lipvit.certify.taylor.remainders import (
     ImagePart,
@@ -340,12 +347,37 @@ class Directions(NamedTuple):
     perp: Callable[[Tensor], Tensor]
 
 
-BlockFn = Callable[
-    [Tensor, Budget, Tensor, Tensor, Carried, Directions | None], BlockStep
-]
-"""``(ε, input budget, chain bound of the middle, of the output, symbols,
-directions) ↦ BlockStep``; a lipschitz block adds its ReLU symbols to the
-:class:`Carried`."""
+class _Block:
+    """A block's remainder step: called at ε ``(B,)`` with ``(input budget, chain
+    bound of the middle, of the output, symbols, directions)`` it gives the
+    block's :class:`BlockStep` (a lipschitz block adds its ReLU symbols to the
+    :class:`Carried`). Its clean-point data ``at`` (a NamedTuple of ``(B, …)``
+    tensors), its attention's ``terms`` and the batch's clean record, Jacobian
+    norms and linearised network are all it reads of the samples, so
+    :meth:`take` restricts it to some of them."""
+
+    at: NamedTuple
+    terms: LoFASTTerms
+    clean: Record
+    jn: JacobianNorms
+    lin: Linearized
+
+    def take(self, index: Tensor, clean: Record, jn: JacobianNorms, lin: Linearized
+             ) -> _Block:
+        """The block at the samples ``index`` ``(b,)`` of the batch, with their
+        ``clean`` record, Jacobian norms ``jn`` and linearisation ``lin``."""
+        sub = copy.copy(self)
+        sub.at, sub.terms = _take_rows(self.at, index), self.terms.take(index)
+        sub.clean, sub.jn, sub.lin = clean, jn, lin
+        return sub
+
+
+def _take_rows(data: NamedTuple, index: Tensor) -> NamedTuple:
+    """``data`` with every tensor, also in nested NamedTuples, restricted to the
+    rows ``index`` (``None`` stays ``None``)."""
+    return type(data)(*(
+        t[index] if isinstance(t, Tensor) else None if t is None
+        else _take_rows(t, index) for t in data))
 
 
 def _unknown(exact: SubBlockNorms | None, k: int) -> bool:
@@ -363,31 +395,56 @@ def _tighter(bound: Tensor, exact: SubBlockNorms | None, name: str, k: int) -> T
     return torch.minimum(bound, getattr(exact, name)[:, k])
 
 
-def _lipschitz_block(
-    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms,
-    exact: SubBlockNorms | None, max_symbols: int, lin: Linearized,
-) -> BlockFn:
+class _LipschitzClean(NamedTuple):
+    """A lipschitz block's clean-point data: its input ``X`` and middle stream
+    state ``X_mid`` ``(B, N, D)``, pre-activations ``z`` ``(B, N, m)``, the norms
+    of what ``P₁`` and ``P₂`` project (``n1`` ``(B, N)`` or ``(B, 1)``, ``n_mid``
+    ``(B, N)``), their Jacobian norms ``L1_0`` ``(B,)`` and ``L2_0`` ``(B, N)``
+    (per token) and the attention's :class:`AttentionGains`."""
+
+    X: Tensor
+    X_mid: Tensor
+    z: Tensor
+    n1: Tensor
+    n_mid: Tensor
+    L1_0: Tensor
+    L2_0: Tensor
+    gains: AttentionGains
+
+
+class _LipschitzBlock(_Block):
     """Sites of ``X + attn(P₁(X))`` and ``SLL(P₂(·))`` (docs/taylor.md §3, §5, §7);
     the ReLU units that can flip become symbols
     (:mod:`lipvit.certify.taylor.symbols`)."""
-    block = model.blocks[k]
-    X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
-    P1, P2 = block.norm1, block.norm2
-    n1, n_mid = _projected_norms(X, P1.mode), _projected_norms(X_mid, "token")
-    zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
-    L1_0 = layer_project_local_lipschitz(X, P1.radius, zero, P1.mode)  # ‖J_P₁‖ (B,)
-    L2_0 = layer_project_local_lipschitz(
-        X_mid, P2.radius, zero, "token", per_token=True
-    )
-    structured = subblock_bound(block, X, terms, weighted=_unknown(exact, k))
-    gains = _attention_gains(terms, L1_0, exact, k, structured)
-    w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,) = ‖w_i‖
-    m_mid = 2 * k + 1
 
-    def step(
-        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried,
+    def __init__(self, model: ViT, k: int, clean: Record, terms: LoFASTTerms,
+                 jn: JacobianNorms, exact: SubBlockNorms | None, max_symbols: int,
+                 lin: Linearized):
+        block = model.blocks[k]
+        self.model, self.k, self.max_symbols = model, k, max_symbols
+        self.P1, self.P2 = block.norm1, block.norm2
+        self.w_norm = torch.linalg.vector_norm(block.mlp.fc1.weight, dim=1)  # (m,)
+        X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
+        zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
+        L1_0 = layer_project_local_lipschitz(X, self.P1.radius, zero, self.P1.mode)
+        L2_0 = layer_project_local_lipschitz(
+            X_mid, self.P2.radius, zero, "token", per_token=True
+        )
+        structured = subblock_bound(block, X, terms, weighted=_unknown(exact, k))
+        self.at = _LipschitzClean(
+            X, X_mid, clean.act_in[k], _projected_norms(X, self.P1.mode),
+            _projected_norms(X_mid, "token"), L1_0, L2_0,
+            _attention_gains(terms, L1_0, exact, k, structured))
+        self.terms, self.clean, self.jn, self.lin = terms, clean, jn, lin
+
+    def __call__(
+        self, e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried,
         dirs: Directions | None,
     ) -> BlockStep:
+        X, X_mid, z, n1, n_mid, L1_0, L2_0, gains = self.at
+        P1, P2, w_norm, k, terms, jn = (self.P1, self.P2, self.w_norm, self.k,
+                                        self.terms, self.jn)
+        lin, clean, m_mid = self.lin, self.clean, 2 * self.k + 1
         caps1 = b.token if P1.mode == "token" else b.all[:, None]
         split1 = layer_project_split(n1, P1.radius, caps1)  # r = −σx̂ + r' (§3)
         if dirs is not None:  # r = −τx̂ + cΓ_⊥ (§3)
@@ -420,7 +477,7 @@ def _lipschitz_block(
         up = torch.minimum(first + rest + sym.up[k], cap)
         down = torch.minimum(first + rest + sym.down[k], cap)
         rho = flip_range(z, torch.where(z > 0, down, up))  # r_i ∈ [0, ρ_i] (§5)
-        tail = propagate(model, lin, k, rho, sym, max_symbols)
+        tail = propagate(self.model, lin, k, rho, sym, self.max_symbols)
         # P₂'s remainder passes the linearised SLL (norm ≤ 1); the ReLU's are
         # symbols, but for the tail (bounded in norm).
         acc_out = mid.acc + torch.linalg.vector_norm(r2_t, dim=-1) + tail
@@ -450,8 +507,6 @@ def _lipschitz_block(
         return BlockStep(mid, out, shares,
                          Chord(z, up, down, rho, rest + sym.up[k], rest + sym.down[k]))
 
-    return step
-
 
 def _layernorm_parts(ln, X: Tensor) -> tuple[Tensor, Tensor, float]:
     """Centred token norms ``(B, N)``, ``γ`` ``(D,)`` and ``κ = D η`` of a LayerNorm."""
@@ -479,49 +534,83 @@ def _layernorm_weights(g: Tensor, ln) -> Tensor:
     return torch.linalg.vector_norm(g * gamma, dim=-1) / gamma.abs().amax()
 
 
-def _standard_block(
-    model: ViT, k: int, clean: Record, terms, jn: JacobianNorms,
-    exact: SubBlockNorms | None
-) -> BlockFn:
+class _StandardClean(NamedTuple):
+    """A standard block's clean-point data: ``X``, ``X_mid``, ``z``, ``L1_0``,
+    ``L2_0`` and ``gains`` as in :class:`_LipschitzClean` (LayerNorms'),
+    ``q2`` ``(B,)`` the attention's second-order coefficient, ``lam_t``
+    ``(B, N)`` each token's feed-forward sub-block norm, ``ffn`` ``(B, N)`` the
+    MLP's, ``gain`` ``(B, N, m)`` each pre-activation's w.r.t. its token of
+    ``X_mid`` and ``into`` ``(B, N)`` the previous feed-forward sub-block
+    composed with this block's LayerNorm (``None`` in block 0 or without exact
+    norms)."""
+
+    X: Tensor
+    X_mid: Tensor
+    z: Tensor
+    L1_0: Tensor
+    L2_0: Tensor
+    gains: AttentionGains
+    q2: Tensor
+    lam_t: Tensor
+    ffn: Tensor
+    gain: Tensor
+    into: Tensor | None
+
+
+class _StandardBlock(_Block):
     """Sites of ``X + attn(LN₁(X))``, ``X+mlp(LN₂(X))``, docs/taylor.md §4, §6, §7.
     No symbols: every GELU unit has a remainder, bounded per unit."""
-    block = model.blocks[k]
-    X, X_mid, z = clean.stream[2 * k], clean.stream[2 * k + 1], clean.act_in[k]
-    ln1, ln2 = block.norm1, block.norm2
-    zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
-    L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
-    L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero, per_token=True)
-    structured = subblock_bound(block, X, terms, weighted=_unknown(exact, k))
-    gains = _attention_gains(terms, L1_0, exact, k, structured)
-    w_q, w_k = (spectral_norm(W) for W in block.attn.head_weights()[:2])  # (H,)
-    q2 = quadratic_coefficient(terms)  # ‖½D²a[x,x]‖ ≤ q2 ‖x‖², second order
-    W1 = block.mlp.fc1.weight  # (m, D)
-    w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
-    W2_norm = spectral_norm(block.mlp.fc2.weight)
-    mlp_lip = gelu_mlp_local_lipschitz(W1, block.mlp.fc2.weight)  # ≥ ‖W₂ diag W₁‖
-    lam_t = 1 + mlp_lip * L2_0  # (B, N): each token's sub-block Jacobian norm
-    if exact is not None:
-        lam_t = torch.minimum(lam_t, exact.mlp[:, k])
-    ffn = mlp_lip if exact is None else torch.minimum(exact.ffn[k], mlp_lip)  # (B, N)
-    # ‖∇_{s_t} z_ti‖ ≤ ‖w_i‖ ‖J_LN₂,t‖, or exact
-    gain = L2_0[..., None] * w1_norm  # (B, N, m)
-    if exact is not None:
-        gain = torch.minimum(gain, exact.unit[k])
-    m_mid = 2 * k + 1
 
-    def step(
-        e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried,
+    def __init__(self, model: ViT, k: int, clean: Record, terms: LoFASTTerms,
+                 jn: JacobianNorms, exact: SubBlockNorms | None, lin: Linearized):
+        block = model.blocks[k]
+        self.k = k
+        self.ln1, self.ln2 = ln1, ln2 = block.norm1, block.norm2
+        X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
+        zero = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
+        L1_0 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, zero)  # (B,) ‖J_LN₁‖
+        L2_0 = layernorm_local_lipschitz(X_mid, ln2.weight, ln2.eps, zero,
+                                         per_token=True)
+        structured = subblock_bound(block, X, terms, weighted=_unknown(exact, k))
+        self.w_q, self.w_k = (spectral_norm(W) for W in block.attn.head_weights()[:2])
+        W1 = block.mlp.fc1.weight  # (m, D)
+        self.w1_norm = torch.linalg.vector_norm(W1, dim=1)  # (m,)
+        self.W2_norm = spectral_norm(block.mlp.fc2.weight)
+        mlp_lip = gelu_mlp_local_lipschitz(W1, block.mlp.fc2.weight)  # ≥ ‖W₂ diag W₁‖
+        lam_t = 1 + mlp_lip * L2_0  # (B, N): each token's sub-block Jacobian norm
+        ffn = mlp_lip.expand(L2_0.shape)  # (B, N)
+        # ‖∇_{s_t} z_ti‖ ≤ ‖w_i‖ ‖J_LN₂,t‖, or exact
+        gain = L2_0[..., None] * self.w1_norm  # (B, N, m)
+        into = None
+        if exact is not None:
+            lam_t = torch.minimum(lam_t, exact.mlp[:, k])
+            ffn = torch.minimum(exact.ffn[k], mlp_lip)
+            gain = torch.minimum(gain, exact.unit[k])
+            into = exact.into[k - 1] if k > 0 else None
+        self.at = _StandardClean(
+            X, X_mid, clean.act_in[k], L1_0, L2_0,
+            _attention_gains(terms, L1_0, exact, k, structured),
+            quadratic_coefficient(terms),  # ‖½D²a[x,x]‖ ≤ q2 ‖x‖², second order
+            lam_t, ffn, gain, into)
+        self.terms, self.clean, self.jn, self.lin = terms, clean, jn, lin
+
+    def __call__(
+        self, e: Tensor, b: Budget, chain_mid: Tensor, chain_out: Tensor, sym: Carried,
         dirs: Directions | None,
     ) -> BlockStep:
+        X, X_mid, z, L1_0, L2_0, gains, q2, lam_t, ffn, gain, into_prev = self.at
+        ln1, ln2, k, terms, jn = self.ln1, self.ln2, self.k, self.terms, self.jn
+        w_q, w_k, w1_norm, W2_norm = self.w_q, self.w_k, self.w1_norm, self.W2_norm
+        m_mid = 2 * k + 1
         r1 = _layernorm_remainder(ln1, X, b.token)
         r1_norm = torch.minimum(
             r1.norm(b.all), torch.linalg.vector_norm(r1.at(b.token), dim=-1)
         )
         L1 = layernorm_local_lipschitz(X, ln1.weight, ln1.eps, b.all)
         into = L1_0 * b.acc  # LN₁'s image of the other part, or through the
-        if b.split is not None and exact is not None:  # previous sub-block exactly
-            a, R_prev = b.split
-            into = torch.minimum(into, exact.into[k - 1].amax(-1) * a + L1_0 * R_prev)
+        if b.split is not None and into_prev is not None:  # previous sub-block
+            a, R_prev = b.split  # exactly
+            into = torch.minimum(into, into_prev.amax(-1) * a + L1_0 * R_prev)
         rest = into + r1_norm  # all but J_{p←x}Γ
         b_p = torch.minimum(L1 * b.all, jn.attn_in[:, k] * e + rest)
         image = _image_part(w_q, w_k, jn, k, e, rest)
@@ -574,8 +663,6 @@ def _standard_block(
 
         return BlockStep(mid, out, shares, None)
 
-    return step
-
 
 # --------------------------------------------------------------------------
 # The network bound.
@@ -606,6 +693,9 @@ class TaylorBound:
         chords: ``ε ↦ [Chord]``: each lipschitz block's ReLU units at ε (their
             move intervals and ``ρ``, docs/taylor.md §5); empty for a standard
             model.
+        take: ``index ↦ TaylorBound``: the certificate of the samples ``index``
+            ``(b,)`` (distinct, in order) alone, computed on them only, with
+            the same values (a sample's bounds do not depend on its batch).
     """
 
     margins: Tensor
@@ -616,6 +706,7 @@ class TaylorBound:
     delta_out: Callable[[Tensor], Tensor]
     functional: Callable[[Tensor, int, Tensor], Tensor]
     chords: Callable[[Tensor], list[Chord]]
+    take: Callable[[Tensor], TaylorBound]
 
     def _eps(self, eps: float | Tensor) -> Tensor:
         m = self.margins
@@ -666,7 +757,8 @@ class TaylorBound:
         so the point is certified there) and the larger of it and the
         first-order limit (the bound is at least ``‖c_jᵀJ‖ε``, so no larger ε
         passes the Taylor part), capped at ``max_radius``; its first probe is
-        :data:`RADIUS_GUESS` times the upper end.
+        :data:`RADIUS_GUESS` times the upper end. Each probe computes the
+        samples still searching only (:attr:`take`).
         """
         positive = (self.margins > 0).all(dim=1)
         lofast = certified_radius(self.margins.amin(1), self.delta_out, rtol=rtol,
@@ -676,7 +768,8 @@ class TaylorBound:
         # A tenth of the tolerance (half a probe more on average): the radius is
         # then rarely below what bisection to ``rtol`` finds.
         return falsi_radius(self.slack, positive, (lofast, hi), rtol=rtol / 10,
-                            tol=tol / 10, guess=hi * RADIUS_GUESS, probed=probed)
+                            tol=tol / 10, guess=hi * RADIUS_GUESS, probed=probed,
+                            restrict=lambda index: self.take(index).slack)
 
 
 RADIUS_GUESS = 0.25
@@ -716,6 +809,11 @@ def taylor_bound(
         raise ValueError(f"max_symbols must be >= 0, got {max_symbols}")
     point = _CleanPoint(float64_model(model),  # the bound's own copy: see above
                         x.to(torch.float64), y, max_symbols, max_memory)
+    return _certificate(point)
+
+
+def _certificate(point: _CleanPoint) -> TaylorBound:
+    """The :class:`TaylorBound` of ``point``'s samples."""
     return TaylorBound(
         point.margins,
         point.masked(point.grad_norm),
@@ -725,7 +823,26 @@ def taylor_bound(
         point.chain.delta_out,
         point.functional,
         point.chords,
+        lambda index: _certificate(point.take(index)),
     )
+
+
+class _ChainRows(NamedTuple):
+    """The samples ``rows`` ``(b,)`` of a batch's LoFAST chain ``chain``: their
+    budgets at ε ``(b,)`` (the chain runs on the whole batch, the other samples
+    at ε = 0: its steps are small elementwise maps)."""
+
+    chain: NetworkBound
+    rows: Tensor
+
+    def trace(self, e: Tensor) -> Tensor:
+        """``chain.trace`` of the samples ``rows``, ``(b, steps + 1, 2)``."""
+        full = e.new_zeros(self.chain.logits.shape[0]).index_copy(0, self.rows, e)
+        return self.chain.trace(full)[self.rows]
+
+    def delta_out(self, e: Tensor) -> Tensor:
+        """``chain.delta_out`` of the samples ``rows``, ``(b,)``."""
+        return self.trace(e)[:, -1, 1]
 
 
 class _CleanPoint:
@@ -744,9 +861,10 @@ class _CleanPoint:
         self.chain = network_bound(model, x, "lofast")
         self.grads = site_gradients(model, x, y)
         clean, logits = self.grads.clean, self.grads.logits
-        lin = Linearized(model, x)  # the clean points, the batch at once
-        self.jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin)
-        exact = subblock_norms(model, clean)
+        self.lin = lin = Linearized(model, x)  # the clean points, the batch at once
+        self.jn = jacobian_norms(model, x, max_memory=max_memory, lin=lin,
+                                 held=len(x) * resident_bytes(model, max_memory))
+        exact = subblock_norms(model, clean, max_memory=max_memory)
         B, K = logits.shape
         self.wrong = torch.ones(B, K, dtype=torch.bool, device=x.device)
         self.wrong[torch.arange(B), y] = False
@@ -755,15 +873,15 @@ class _CleanPoint:
                                    torch.full_like(margins, math.inf))
         self.grad_norm = torch.linalg.vector_norm(self.grads.x.flatten(2), dim=-1)
         make = (
-            partial(_lipschitz_block, max_symbols=max_symbols, lin=lin)
+            partial(_LipschitzBlock, max_symbols=max_symbols, lin=lin)
             if model.config.family == "lipschitz"
-            else _standard_block
+            else partial(_StandardBlock, lin=lin)
         )
         terms = [with_softmax_gains(block, clean.attn_in[k], t) for k, (block, t)
                  in enumerate(zip(model.blocks, self.chain.attention_terms,
                                   strict=True))]
-        self.blocks = [make(model, k, clean, t, self.jn, exact)
-                       for k, t in enumerate(terms)]
+        self.blocks: list[_Block] = [make(model, k, clean, t, self.jn, exact)
+                                     for k, t in enumerate(terms)]
         # The margins' second-order Taylor models (§12), where they apply:
         # built at the first remainder query (walks and functionals need none).
         self.with_jets, self.jets = jets_fit(model, max_memory), []
@@ -775,6 +893,31 @@ class _CleanPoint:
             if isinstance(block.norm1, LayerProject) and block.norm1.mode != "token"
             and bool((_projected_norms(clean.stream[2 * k], "frobenius")
                       >= block.norm1.radius).any())]
+
+    def take(self, index: Tensor) -> _CleanPoint:
+        """The clean points of the samples ``index`` ``(b,)`` (distinct, in order)
+        alone: their margins, gradients (and a graph of their own), Jacobian
+        norms, linearisation, blocks and LoFAST chain, so that every stage at
+        an ε ``(b,)`` costs what they do and gives each sample what the whole
+        batch gives it (tests/test_batched.py); itself where ``index`` is
+        every sample."""
+        if len(index) == len(self.x):
+            return self
+        sub = copy.copy(self)
+        sub.x, sub.y = self.x[index], self.y[index]
+        sub.chain = (_ChainRows(self.chain.chain, self.chain.rows[index])
+                     if isinstance(self.chain, _ChainRows)
+                     else _ChainRows(self.chain, index))
+        sub.grads, sub.jn, sub.lin = (self.grads.take(index), self.jn.take(index),
+                                      self.lin.take(index))
+        sub.wrong, sub.margins, sub.grad_norm = (
+            self.wrong[index], self.margins[index], self.grad_norm[index])
+        clean = sub.grads.clean
+        sub.blocks = [b.take(index, clean, sub.jn, sub.lin) for b in self.blocks]
+        sub.jets = [self.jets[i] for i in index.tolist()] if self.jets else []
+        sub.final = _final_site(self.model, clean.stream[-1][:, 0],
+                                sub.grads.sites[(-1, "norm")])
+        return sub
 
     def run(self, e: Tensor) -> tuple[list[BlockStep], list[Budget], Tensor]:
         """Every block's step, the stream budgets and the class token's budget."""

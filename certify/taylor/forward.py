@@ -74,6 +74,11 @@ class Record:
     attn_in: list[Tensor]  # (B, N, D): norm1's output, the attention's input
     act_in: list[Tensor]  # (B, N, m): the activation's pre-activations
 
+    def take(self, index: Tensor) -> Record:
+        """The samples ``index`` ``(b,)`` of the batch."""
+        return Record(*([t[index] for t in ts]
+                        for ts in (self.stream, self.attn_in, self.act_in)))
+
 
 def forward(
     model: ViT, x: Tensor, inject: Inject | None = None

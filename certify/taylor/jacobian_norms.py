@@ -141,28 +141,43 @@ def jets_fit(model: ViT, max_memory: int | None) -> bool:
     return margin_jets.supports(model) and jets_need(model) <= memory_budget(max_memory)
 
 
-def taylor_batch(model: ViT, max_memory: int | None, exact_max: int | None = None
-                 ) -> int:
-    """Samples per :func:`lipvit.certify.taylor.certificate.taylor_bound` call within
-    ``max_memory`` bytes: each sample keeps one autograd graph of the forward
-    pass per class (the margins' gradients, back-substituted at every ε) and
-    its symbols' accumulators, its second-order Taylor model
+def resident_bytes(model: ViT, max_memory: int | None) -> int:
+    """Bytes each sample of a :func:`lipvit.certify.taylor.certificate.taylor_bound`
+    call holds beside the Jacobian norms' tangents: one autograd graph of the
+    forward pass per class (the margins' gradients, back-substituted at every
+    ε; the radius search's graph of the samples still searching takes the
+    batch's place) and as much again while a back-substitution runs through
+    it, its symbols' accumulators and one push of its symbols' tangents
+    (:func:`~lipvit.certify.taylor.linearized.push_size` of them), and its
+    second-order Taylor model
     (:func:`lipvit.certify.taylor.margin_jets.jet_bytes`) where one is built
-    (:func:`jets_fit`), and its share of the batch's tangents
-    (:func:`sample_bytes` of :func:`plan` with ``exact_max``, default
-    :data:`EXACT_GRAM_MAX`: the batch's samples are pushed together), after
-    the exact sub-block norms' working memory
-    (:func:`~lipvit.certify.taylor.subblock.dense_bytes`, one sample at a time)."""
-    exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
-    cfg = model.config
+    (:func:`jets_fit`)."""
     N, D, H, m, K, _ = _sizes(model)
     graph = 8 * K * N * (8 * D + 4 * m + 3 * H * N)  # one forward pass, kept
     carried = 8 * (2 * (2 * K + 1) * N * D + 2 * K * N * D + 2 * K * N * m)
-    per_sample = cfg.num_classes * graph + carried
-    per_sample += sample_bytes(model, plan(model, exact_max, max_memory))
+    push = max(1, CACHE_BYTES // (8 * H * N * N))  # push_size's symbols
+    per_sample = (2 * model.config.num_classes * graph + carried
+                  + push * _bytes(model)[2])
     if jets_fit(model, max_memory):
         per_sample += margin_jets.jet_bytes(model)
-    return max(1, (memory_budget(max_memory) - dense_bytes(model)) // per_sample)
+    return per_sample
+
+
+def taylor_batch(model: ViT, max_memory: int | None, exact_max: int | None = None
+                 ) -> int:
+    """Samples per :func:`lipvit.certify.taylor.certificate.taylor_bound` call within
+    ``max_memory`` bytes: :func:`resident_bytes` each, beside one sample's
+    tangents of the Jacobian norms (:func:`sample_bytes` of :func:`plan` with
+    ``exact_max``, default :data:`EXACT_GRAM_MAX`; :func:`norms_of_batch`
+    takes the batch in parts that fit beside what it holds) or the exact
+    sub-block norms' working memory
+    (:func:`~lipvit.certify.taylor.subblock.dense_bytes`, one sample at a
+    time), whichever is larger: they run one after the other."""
+    exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
+    apart = max(sample_bytes(model, plan(model, exact_max, max_memory)),
+                dense_bytes(model, max_memory))
+    return max(1, (memory_budget(max_memory) - apart)
+               // resident_bytes(model, max_memory))
 
 
 def _bytes(model: ViT) -> tuple[int, int, int, int]:
@@ -205,6 +220,11 @@ def logit_variance(T: Tensor, P: Tensor) -> LogitVariance:
     whole_all = gram_norm(W.flatten(-3)) ** 2  # (…, n, H·N·N) → (…)
     row_all = (gram_norm(W.movedim(-2, -4).flatten(-2)) ** 2).amax(-1)  # (…, N, n, H·N)
     return LogitVariance(whole, row, whole_all, row_all)
+
+
+_BATCHED = ("stream", "stream_token", "attn_in", "cls", "logits", "queries", "keys",
+            "logit_rows", "attn_hessian")
+""":class:`JacobianNorms`' tensor fields, each ``(B, …)``."""
 
 
 @dataclass(frozen=True)
@@ -253,13 +273,21 @@ class JacobianNorms:
     attn_hessian: Tensor
     exact: bool = True
 
+    def take(self, index: Tensor) -> JacobianNorms:
+        """The norms of the samples ``index`` ``(b,)`` of the batch."""
+        return JacobianNorms(
+            **{name: getattr(self, name)[index] for name in _BATCHED},
+            act_in=[t[index] for t in self.act_in],
+            variance=LogitVariance(*(t[index] for t in self.variance)),
+            exact=self.exact,
+        )
+
     @staticmethod
     def cat(parts: list[JacobianNorms]) -> JacobianNorms:
         """The norms of consecutive batches ``parts`` as one batch."""
         first = parts[0]
         fields = {name: torch.cat([getattr(p, name) for p in parts])
-                  for name in ("stream", "stream_token", "attn_in", "cls", "logits",
-                               "queries", "keys", "logit_rows", "attn_hessian")}
+                  for name in _BATCHED}
         return JacobianNorms(
             **fields,
             act_in=[torch.cat([p.act_in[k] for p in parts])
@@ -330,20 +358,24 @@ class _Reduce:
 
 def norms_of_batch(
     model: ViT, x: Tensor, exact_max: int, max_memory: int | None,
-    lin: Linearized | None = None,
+    lin: Linearized | None = None, held: int = 0,
 ) -> JacobianNorms:
     """:class:`JacobianNorms` of images ``x`` ``(B, C, S, S)`` (module docstring),
     every sample's tangents pushed together (one operation per step for the
     whole batch); ``lin``: their :class:`Linearized`, if built already. The
     plan is one sample's (:func:`plan`), whatever the batch, so that the
     norms do not depend on it; the batch is split where its tangents would
-    exceed ``max_memory`` bytes at once."""
+    exceed ``max_memory`` bytes at once beside the ``held`` bytes the caller
+    holds (at least one sample a part)."""
     how = plan(model, exact_max, max_memory)
-    at_once = max(1, memory_budget(max_memory) // sample_bytes(model, how))
+    at_once = max(1, (memory_budget(max_memory) - held) // sample_bytes(model, how))
     if len(x) > at_once:
-        return JacobianNorms.cat([norms_of_batch(model, x[i:i + at_once], exact_max,
-                                                 max_memory)
-                                  for i in range(0, len(x), at_once)])
+        return JacobianNorms.cat([
+            norms_of_batch(model, x[i:i + at_once], exact_max, max_memory,
+                           None if lin is None else lin.take(
+                               torch.arange(i, min(i + at_once, len(x)),
+                                            device=x.device)), held)
+            for i in range(0, len(x), at_once)])
     lin = lin or Linearized(model, x)
     order = patch_order(model).to(x.device)
     n, K, B = order.numel(), len(model.blocks), len(x)
@@ -412,7 +444,7 @@ they are bounded by the patch-block matrix."""
 
 def jacobian_norms(
     model: ViT, x: Tensor, exact_max: int | None = None,
-    max_memory: int | None = None, lin=None,
+    max_memory: int | None = None, lin=None, held: int = 0,
 ) -> JacobianNorms:
     """:class:`JacobianNorms` of ``model`` at images ``x`` ``(B, C, S, S)``.
 
@@ -425,10 +457,11 @@ def jacobian_norms(
     stored tangents of the whole-matrix maps (``n ≤ exact_max``: their
     ``n × n`` Gram matrices, exact) or the norms of their patch blocks
     (bounded by the block matrix's norm). Memory: ``max_memory`` bytes of
-    tangents (:func:`lipvit.certify.taylor.jacobian_norms.plan`). ``lin``: the batch's
+    tangents (:func:`lipvit.certify.taylor.jacobian_norms.plan`) beside the
+    ``held`` bytes the caller holds. ``lin``: the batch's
     :class:`~lipvit.certify.taylor.linearized.Linearized`, if built already.
     """
     exact_max = EXACT_GRAM_MAX if exact_max is None else exact_max
-    return norms_of_batch(model, x, exact_max, max_memory, lin)
+    return norms_of_batch(model, x, exact_max, max_memory, lin, held)
 
 

@@ -13,12 +13,47 @@ is back-substituted by one more backward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from lipvit.certify.taylor.forward import Inject, Record, forward
 from torch import Tensor
 
 from lipvit.model import ViT
+
+
+class _Graph(NamedTuple):
+    """The forward pass of every (sample, class) copy with zero tensors added at
+    the sites, kept for backward passes: the image copies ``xr`` ``(B·K, C, S,
+    S)``, the added tensors and the recorded pre-activations and stream states."""
+
+    xr: Tensor
+    inject: Inject
+    act_in: list[Tensor]
+    stream: list[Tensor]
+
+
+def _graph(model: ViT, x: Tensor, clean: Record) -> tuple[_Graph, Tensor]:
+    """:class:`_Graph` of ``x`` ``(B, C, S, S)`` (each sample repeated once per class,
+    ``K`` classes) and its logits ``(B·K, K)``; ``clean`` gives the sites' shapes."""
+    B, K = x.shape[0], model.config.num_classes
+    shapes = {}
+    for k in range(len(model.blocks)):
+        shapes[(k, "norm1")] = shapes[(k, "attn")] = shapes[(k, "norm2")] = (
+            clean.attn_in[k].shape[1:]
+        )
+        shapes[(k, "act")] = clean.act_in[k].shape[1:]
+    shapes[(-1, "norm")] = clean.stream[-1].shape[2:]
+    inject = {
+        key: torch.zeros(
+            (B * K, *s), dtype=x.dtype, device=x.device, requires_grad=True
+        )
+        for key, s in shapes.items()
+    }
+    xr = x.repeat_interleave(K, dim=0).requires_grad_(True)  # (B·K, C, S, S)
+    with torch.enable_grad():
+        logits, rec = forward(model, xr, inject)
+    return _Graph(xr, inject, rec.act_in, rec.stream), logits
 
 
 @dataclass
@@ -37,32 +72,47 @@ class MarginGradients:
     sites: Inject
     clean: Record
     logits: Tensor
-    _xr: Tensor
-    _inject: Inject
-    _act_in: list[Tensor]
-    _stream: list[Tensor]
+    _model: ViT
+    _images: Tensor  # (B, C, S, S)
+    _graph: _Graph | None  # built again at the first backward pass where None
+
+    def take(self, index: Tensor) -> MarginGradients:
+        """The gradients of the samples ``index`` ``(b,)`` of the batch; their own
+        graph (a forward pass of their copies) is built at the first
+        back-substitution that needs it, so that it costs what they do. The
+        batch's graph is let go (and built again if it is needed again): a
+        radius search that narrows to some samples does not come back to all
+        of them, and both graphs at once would hold twice the memory."""
+        self._graph = None
+        sites = {q: g[index] for q, g in self.sites.items()}
+        return MarginGradients(self.x[index], sites, self.clean.take(index),
+                               self.logits[index], self._model, self._images[index],
+                               None)
 
     def through_act(self, k: int, v: Tensor) -> tuple[Tensor, Inject]:
         """``J_{z_k←x}ᵀ v`` and ``G_{z_k←φ}ᵀ v`` for every site ``φ`` before block
         ``k``'s activation: the clean linearised network's response, at the image
         and at those sites, to weights ``v`` ``(B, K, N, m)`` on block ``k``'s
         pre-activations (one backward pass through the kept graph)."""
-        keys = [key for key in self._inject if 0 <= key[0] < k
+        keys = [key for key in self.sites if 0 <= key[0] < k
                 or (key[0] == k and key[1] != "act")]
-        return self._back(self._act_in[k], keys, v)
+        return self._back(lambda g: g.act_in[k], keys, v)
 
     def through_stream(self, k: int, v: Tensor) -> tuple[Tensor, Inject]:
         """As :meth:`through_act`, for weights ``v`` ``(B, K, N, D)`` on block
         ``k``'s input ``s_{2k}``: the sites of the blocks before ``k``."""
-        keys = [key for key in self._inject if 0 <= key[0] < k]
-        return self._back(self._stream[2 * k], keys, v)
+        keys = [key for key in self.sites if 0 <= key[0] < k]
+        return self._back(lambda g: g.stream[2 * k], keys, v)
 
-    def _back(self, out: Tensor, keys: list, v: Tensor) -> tuple[Tensor, Inject]:
-        """``∂⟨v, out⟩`` w.r.t. the image and the sites ``keys``, by copy."""
+    def _back(self, out, keys: list, v: Tensor) -> tuple[Tensor, Inject]:
+        """``∂⟨v, out(graph)⟩`` w.r.t. the image and the sites ``keys``, by copy."""
+        if self._graph is None:
+            self._graph = _graph(self._model, self._images, self.clean)[0]
+        graph = self._graph
         B, K = v.shape[:2]
         with torch.enable_grad():
             grads = torch.autograd.grad(
-                out, [self._xr, *(self._inject[q] for q in keys)],
+                out(graph), [graph.xr, *(graph.inject[q] for q in keys)],
                 grad_outputs=v.reshape(B * K, *v.shape[2:]), retain_graph=True,
             )
         sites = {q: g.reshape(B, K, *g.shape[1:]) for q, g in zip(keys, grads[1:],
@@ -81,34 +131,19 @@ def site_gradients(model: ViT, x: Tensor, y: Tensor) -> MarginGradients:
     K = model.config.num_classes
     with torch.no_grad():
         logits0, clean = forward(model, x)
-    shapes = {}
-    for k in range(len(model.blocks)):
-        shapes[(k, "norm1")] = shapes[(k, "attn")] = shapes[(k, "norm2")] = (
-            clean.attn_in[k].shape[1:]
-        )
-        shapes[(k, "act")] = clean.act_in[k].shape[1:]
-    shapes[(-1, "norm")] = clean.stream[-1].shape[2:]
-    inject = {
-        key: torch.zeros(
-            (B * K, *s), dtype=x.dtype, device=x.device, requires_grad=True
-        )
-        for key, s in shapes.items()
-    }
-    xr = x.repeat_interleave(K, dim=0).requires_grad_(True)  # (B·K, C, S, S)
+    graph, logits = _graph(model, x, clean)
     with torch.enable_grad():
-        logits, rec = forward(model, xr, inject)
         L = logits.reshape(B, K, K)  # copy (b, j) differentiates f_j − f_y
         j = torch.arange(K, device=x.device)
         total = (
             L[:, j, j]
             - L[:, j, :].gather(2, y[:, None, None].expand(B, K, 1)).squeeze(2)
         ).sum()
-        grads = torch.autograd.grad(total, [xr, *inject.values()], retain_graph=True)
+        grads = torch.autograd.grad(total, [graph.xr, *graph.inject.values()],
+                                    retain_graph=True)
     g_sites = {
         key: g.reshape(B, K, *g.shape[1:])
-        for key, g in zip(inject, grads[1:], strict=True)
+        for key, g in zip(graph.inject, grads[1:], strict=True)
     }
     return MarginGradients(grads[0].reshape(B, K, *x.shape[1:]), g_sites, clean,
-                           logits0, xr, inject, rec.act_in, rec.stream)
-
-
+                           logits0, model, x, graph)

@@ -33,6 +33,7 @@ import torch.autograd.forward_ad as fwAD
 from lipvit.certify.attention import bound_weights, value_output
 from lipvit.certify.local import layernorm_local_lipschitz
 from lipvit.certify.lofast.layer import LoFASTTerms, zeta_from_attention
+from lipvit.certify.memory import memory_budget
 from lipvit.certify.taylor.forward import Record, explicit_attention
 from lipvit.certify.taylor.remainders import (
     logit_row_variance_gains,
@@ -264,18 +265,40 @@ sample at ``N·D = 544`` on one CPU core, 2.4 s at 1088, 14 s at 3200 — the
 Fashion-MNIST ``fmnist-3x64`` preset); above it the certificate uses the
 structured and product bounds for these two maps."""
 
-PUSH_BYTES = 2**28
-"""Bytes of forward-mode temporaries :func:`_transposed_jacobian` allows itself
-at once (it pushes as many basis tangents together as fit)."""
+PUSH_BYTES = 2**30
+"""Most bytes of forward-mode temporaries :func:`_transposed_jacobian` allows
+itself at once (it pushes as many basis tangents together as fit); a quarter
+of ``--max-memory`` where that is less (:func:`push_bytes`). Each push is a
+few hundred operations: at ``fmnist-3x64`` (``N·D = 3200``) 1 GiB takes 6
+pushes a Jacobian where 256 MiB took 21 (about 9,000 operations a sample for
+the three blocks' sub-block norms instead of 23,000), in slightly less
+time."""
 
 
-def dense_bytes(model: ViT) -> int:
+def push_bytes(max_memory: int | None) -> int:
+    """Bytes of forward-mode temporaries :func:`_transposed_jacobian` allows
+    itself within ``max_memory`` (default
+    :func:`~lipvit.certify.memory.default_max_memory`): a quarter of it, at
+    most :data:`PUSH_BYTES`."""
+    return min(PUSH_BYTES, memory_budget(max_memory) // 4)
+
+
+def dense_bytes(model: ViT, max_memory: int | None = None) -> int:
     """Bytes :func:`subblock_norms` holds at once beyond the clean pass (one
     sample at a time): the basis, two ``(N·D) × (N·D)`` Jacobians and a Gram
-    matrix, and :data:`PUSH_BYTES` of forward-mode temporaries; 0 above
-    :data:`EXACT_MAX`."""
-    n = (model.config.num_patches + 1) * model.config.embed_dim
-    return 8 * 4 * n * n + PUSH_BYTES if n <= EXACT_MAX else 0
+    matrix, and the forward-mode temporaries of one push (at most
+    :func:`push_bytes`); 0 above :data:`EXACT_MAX`."""
+    N = model.config.num_patches + 1
+    n = N * model.config.embed_dim
+    every = n * _tangent_bytes(model.config.num_heads, N, n)  # every tangent at once
+    return 8 * 4 * n * n + min(push_bytes(max_memory), every) if n <= EXACT_MAX else 0
+
+
+def _tangent_bytes(heads: int, N: int, n: int) -> int:
+    """Forward-mode temporaries of one basis tangent through an attention of
+    ``heads`` heads on ``N`` tokens (``n = N·D``): sixteen float64 tensors of
+    ``heads·N² + n`` entries."""
+    return 8 * 16 * (heads * N**2 + n)
 
 
 @dataclass(frozen=True)
@@ -308,42 +331,43 @@ class SubBlockNorms:
     into: list[Tensor]
 
 
-def _transposed_jacobian(fn, X: Tensor, heads: int) -> Tensor:
+def _transposed_jacobian(fn, X: Tensor, heads: int, push: int) -> Tensor:
     """``J(X)ᵀ`` ``(n, n')`` of a map of token matrices (batches ``(B, N, D)``
     in and out) at one token matrix ``X`` ``(N, D)`` (``n = N·D`` inputs,
     ``n'`` outputs): row ``i`` is the output tangent of the basis tangent
-    ``e_i`` (forward mode, as many tangents at a time as :data:`PUSH_BYTES`
-    holds, counting sixteen float64 temporaries of ``heads·N² + N·D``
-    entries per tangent: an attention's)."""
+    ``e_i`` (forward mode, as many tangents at a time as ``push`` bytes
+    hold, :func:`_tangent_bytes` each: an attention's)."""
     n = X.numel()
-    per_tangent = 8 * 16 * (heads * X.shape[0] ** 2 + n)
+    per_tangent = _tangent_bytes(heads, X.shape[0], n)
     E = torch.eye(n, dtype=X.dtype, device=X.device).reshape(n, *X.shape)
 
-    def push(t: Tensor) -> Tensor:
+    def row(t: Tensor) -> Tensor:
         return torch.func.jvp(lambda s: fn(s[None])[0], (X,), (t,))[1].reshape(-1)
 
-    chunk = max(1, min(n, PUSH_BYTES // per_tangent))
+    chunk = max(1, min(n, push // per_tangent))
     with torch.no_grad():
-        return torch.func.vmap(push, chunk_size=chunk)(E)
+        return torch.func.vmap(row, chunk_size=chunk)(E)
 
 
-def _attention_norms(block, X: Tensor, P: Tensor, token_wise: bool
+def _attention_norms(block, X: Tensor, P: Tensor, token_wise: bool, push: int
                      ) -> tuple[Tensor, Tensor]:
     """``(‖D(s ↦ s + attn(norm1(s)))(X)‖, ‖D attn(P)‖)`` for one sample, ``X``
     its block input ``(N, D)`` and ``P = norm1(X)``, both rounded up
     (:func:`gram_norm`). The bare attention's Jacobian is formed once and the
     sub-block's follows from it, ``(I + J_a J_N)ᵀ = I + J_Nᵀ J_aᵀ``, with
     ``J_N`` block diagonal (``D × D`` per token) where ``norm1`` is token-wise
-    (a LayerNorm, a per-token LayerProject) and dense otherwise."""
+    (a LayerNorm, a per-token LayerProject) and dense otherwise; ``push``:
+    bytes of forward-mode temporaries (:func:`push_bytes`)."""
     H = block.attn.num_heads
-    T_a = _transposed_jacobian(partial(explicit_attention, block.attn), P, H)  # (n, n)
+    T_a = _transposed_jacobian(partial(explicit_attention, block.attn), P, H,
+                               push)  # (n, n)
     if token_wise:
         N, D = X.shape
         T_N = _token_tangents(block.norm1, X[None])[0]  # (N, D, D): J_N,tᵀ per token
         T_w = torch.einsum("tde,tef->tdf", T_N, T_a.reshape(N, D, -1))
         T_w = T_w.reshape(N * D, -1) + torch.eye(N * D, dtype=X.dtype, device=X.device)
     else:  # a Frobenius LayerProject: J_N dense, a cheap map to push
-        T_w = _transposed_jacobian(block.norm1, X, H) @ T_a
+        T_w = _transposed_jacobian(block.norm1, X, H, push) @ T_a
         T_w = T_w + torch.eye(X.numel(), dtype=X.dtype, device=X.device)
     return gram_norm(T_w), gram_norm(T_a)
 
@@ -360,14 +384,16 @@ def _token_tangents(fn, X: Tensor) -> Tensor:
 
 
 def subblock_norms(
-    model: ViT, clean: Record, max_size: int | None = None
+    model: ViT, clean: Record, max_size: int | None = None,
+    max_memory: int | None = None,
 ) -> SubBlockNorms:
     """:class:`SubBlockNorms` at the clean point, by forward-mode AD. The
     token-wise maps' norms (``mlp``, ``unit``, ``ffn``: ``D`` tangents per
     token) are computed at every size; the whole attention maps' (``attn``,
     ``bare``) only when ``N·D ≤ max_size`` (default :data:`EXACT_MAX`: their
-    ``(N·D) × (N·D)`` Jacobians are formed) and are ``+inf`` otherwise (the
-    certificate then keeps its product bounds)."""
+    ``(N·D) × (N·D)`` Jacobians are formed, their basis tangents pushed
+    within :func:`push_bytes` of ``max_memory``) and are ``+inf`` otherwise
+    (the certificate then keeps its product bounds)."""
     X0 = clean.stream[0]
     whole = X0[0].numel() <= (EXACT_MAX if max_size is None else max_size)
     token_wise = (model.config.family == "standard"
@@ -377,7 +403,8 @@ def subblock_norms(
     for k, block in enumerate(model.blocks):
         X, X_mid = clean.stream[2 * k], clean.stream[2 * k + 1]
         if whole:
-            pairs = [_attention_norms(block, Xb, Pb, token_wise)
+            pairs = [_attention_norms(block, Xb, Pb, token_wise,
+                                      push_bytes(max_memory))
                      for Xb, Pb in zip(X, clean.attn_in[k], strict=True)]
             attn.append(torch.stack([a for a, _ in pairs]))
             bare.append(torch.stack([b for _, b in pairs]))
