@@ -354,10 +354,10 @@ def test_cait_mixes_tokens_only_in_attention():
         return t
 
     J = jacrev(blocks)(t0)  # (N, D, N, D)
-    off = J * (1 - torch.eye(N, dtype=J.dtype))[:, None, :, None]
-    assert off.abs().max() == 0
+    across = (1 - torch.eye(N, dtype=J.dtype))[:, None, :, None]  # token i ≠ j
+    assert (J * across).abs().max() == 0
     J_full = jacrev(lambda t: model.blocks[0](t[None])[0])(t0)
-    assert (J_full * (1 - torch.eye(N, dtype=J.dtype))[:, None, :, None]).abs().max() > 0
+    assert (J_full * across).abs().max() > 0
 
 
 def test_cait_config_is_checked():
