@@ -10,6 +10,9 @@ row of ``--variants``, then measures on the first ``--n-test`` test images:
 - certified accuracy at every ``--eps`` and the median radius by ``ball``
   (local constants, docs/math.md §10) and by ``global`` (the proven global
   constant, §9), on the same points;
+- robust accuracy under PGD-ℓ2 and APGD (20 steps) at every ``--eps``,
+  the ceiling over the certificates, and the certified points the attacks
+  break (none, or a bound is wrong);
 - each attention block's mean logit spreads (content, the part that changes
   with the image, positional) and the class attention's local constant at
   the median point.
@@ -34,9 +37,11 @@ import time
 from pathlib import Path
 
 import torch
+from lipvit.analysis.attacks import robust_accuracy
 from lipvit.certify.evaluate import certify_samples
 
 from lipvit.ablation import ablate_attention
+from lipvit.checkpoint import load_checkpoint
 from lipvit.config import preset
 from lipvit.data import load_dataset
 from lipvit.train import train, train_config_for
@@ -58,7 +63,8 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
 
 
 def measure(model, x, y, eps_list) -> dict:
-    """Clean, ablated, certified (ball and global) accuracy and spreads."""
+    """Clean, ablated, certified (ball and global) and attacked accuracy, and
+    the attention's spreads."""
     report = certify_samples(model, x, y, ["ball", "global"], eps_list, radius=True,
                              batch_size=100)
     with torch.no_grad():
@@ -70,6 +76,13 @@ def measure(model, x, y, eps_list) -> dict:
         out[method] = {"certified": {e: float((r >= e).double().mean())
                                      for e in eps_list},
                        "median_radius": float(r.median())}
+    out["attacked"], out["broken"] = {}, 0
+    for e in eps_list:
+        alive = torch.as_tensor(robust_accuracy(
+            model, x, y, ["pgd-l2", "apgd"], e, norm="l2", steps=20).worst_case)
+        out["attacked"][e] = float(alive.double().mean())
+        certified = report.radii["ball"] >= e
+        out["broken"] += int((certified & ~alive).sum())
     out["attention"] = model.double().attention_spread(x.double())
     return out
 
@@ -104,8 +117,6 @@ def main() -> None:
         if not path.exists():
             train(cfg, tc, data, path, progress=False)
         seconds = time.perf_counter() - t0
-        from lipvit.checkpoint import load_checkpoint
-
         model = load_checkpoint(path).model.eval()
         results[name] = {"variant": text, "train_seconds": seconds,
                          **measure(model, x, y, eps_list)}
@@ -115,6 +126,8 @@ def main() -> None:
                                             for e in eps_list)
                           + f" median {r[m]['median_radius']:.3f}"
                           for m in ("ball", "global"))
+              + "; attacked " + "/".join(f"{r['attacked'][e]:.3f}" for e in eps_list)
+              + f" (certified and broken: {r['broken']})"
               + "; content spread " + ", ".join(f"{a['content']:.2f}"
                                                 for a in r["attention"]),
               flush=True)
