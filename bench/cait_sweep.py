@@ -5,8 +5,8 @@ training images for ``--epochs`` with ``lipvit.train.train`` (the default
 recipe: certified training for ``ball`` at ``cert_eps``, issue 55), each a
 row of ``--variants``, then measures on the first ``--n-test`` test images:
 
-- clean accuracy, and with every attention term removed
-  (:func:`lipvit.ablate_attention`);
+- clean accuracy, with every attention term removed and with only the
+  self-attention removed (:func:`lipvit.ablate_attention`);
 - certified accuracy at every ``--eps`` and the median radius by ``ball``
   (local constants, docs/math.md §10) and by ``global`` (the proven global
   constant, §9), on the same points;
@@ -69,8 +69,10 @@ def measure(model, x, y, eps_list) -> dict:
                              batch_size=100)
     with torch.no_grad():
         clean = float((model(x).argmax(1) == y).double().mean())
-        ablated = float((ablate_attention(model)(x).argmax(1) == y).double().mean())
-    out = {"clean": clean, "ablated": ablated}
+        ablated = {f"ablated_{which}":
+                   float((ablate_attention(model, which)(x).argmax(1) == y)
+                         .double().mean()) for which in ("all", "self")}
+    out = {"clean": clean, **ablated}
     for method in ("ball", "global"):
         r = report.radii[method]
         out[method] = {"certified": {e: float((r >= e).double().mean())
@@ -121,7 +123,8 @@ def main() -> None:
         results[name] = {"variant": text, "train_seconds": seconds,
                          **measure(model, x, y, eps_list)}
         r = results[name]
-        print(f"{name}: clean {r['clean']:.3f} (ablated {r['ablated']:.3f}); "
+        print(f"{name}: clean {r['clean']:.3f} (ablated {r['ablated_all']:.3f}, "
+              f"self-attention ablated {r['ablated_self']:.3f}); "
               + "; ".join(f"{m} " + "/".join(f"{r[m]['certified'][e]:.3f}"
                                             for e in eps_list)
                           + f" median {r[m]['median_radius']:.3f}"

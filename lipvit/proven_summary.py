@@ -18,16 +18,20 @@ def proven_summary(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
     proven global constant ``L`` (:func:`lipvit.certify.global_bound.
     global_constant`), per attention block the model's ``attention_spread``
     (mean logit spreads, gate, ``L_A``), and the accuracy with and without the
-    attention (:func:`lipvit.ablate_attention`)."""
+    attention (:func:`lipvit.ablate_attention`; CaiT: also without its
+    self-attention alone)."""
     m = float64_model(model)
     x = x.to(device=m.pos_embed.device, dtype=torch.float64)
     y = y.to(m.pos_embed.device)
     with torch.no_grad():
         acc = float((m(x).argmax(1) == y).double().mean())
-        ablated = float((ablate_attention(m)(x).argmax(1) == y).double().mean())
+        ablated = {f"{key}ablated_accuracy":
+                   float((ablate_attention(m, which)(x).argmax(1) == y).double().mean())
+                   for key, which in (("", "all"), ("self_", "self"))
+                   if which == "all" or m.config.arch == "cait"}
     return {"arch": m.config.arch, "global_constant": float(global_constant(m).L),
-            "attention": m.attention_spread(x), "accuracy": acc,
-            "ablated_accuracy": ablated, "points": int(x.shape[0])}
+            "attention": m.attention_spread(x), "accuracy": acc, **ablated,
+            "points": int(x.shape[0])}
 
 
 def proven_text(summary: dict[str, Any]) -> str:
@@ -41,5 +45,8 @@ def proven_text(summary: dict[str, Any]) -> str:
     text = f"global constant {summary['global_constant']:.4f}; {blocks}"
     if "ablated_accuracy" in summary:
         text += (f"; accuracy {summary['accuracy']:.3f}, without attention "
-                 f"{summary['ablated_accuracy']:.3f} ({summary['points']} test images)")
+                 f"{summary['ablated_accuracy']:.3f}"
+                 + (f", without self-attention {summary['self_ablated_accuracy']:.3f}"
+                    if "self_ablated_accuracy" in summary else "")
+                 + f" ({summary['points']} test images)")
     return text

@@ -309,6 +309,16 @@ def test_ablate_attention_removes_every_attention_term(trained, digits):
         # for every image.
         logits = ablated(x)
     assert torch.allclose(logits, logits[:1].expand_as(logits))
+    # Only the self-attention: the blocks pass their input on, class attention
+    # still reads the tokens.
+    kept = lipvit.ablate_attention(trained, "self")
+    assert not kept.cls_attn.ablated and all(b.attn.ablated for b in kept.blocks)
+    with torch.no_grad():
+        assert torch.equal(kept.blocks[0].attn(t), t)
+        logits = kept(x)
+    assert not torch.allclose(logits, logits[:1].expand_as(logits))
+    with pytest.raises(ValueError, match="which must be one of"):
+        lipvit.ablate_attention(trained, "class")
     with pytest.raises(ValueError, match="hybrid ViT or CaiT"):
         from tests.conftest import nonlinear_model
 

@@ -58,23 +58,27 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
 
 def ablation_accuracy(path: Path, n: int | None, data_dir: Path | None
                       ) -> dict[str, Any]:
-    """Test accuracy of the checkpoint's model and of
-    :func:`lipvit.ablate_attention` of it, on ``n`` test images (all by
-    default). Raises ``ValueError`` for a model without attention blocks to
-    remove (a ViT)."""
+    """Test accuracy of the checkpoint's model, of
+    :func:`lipvit.ablate_attention` of it, and (CaiT) of it with only its
+    self-attention removed, on ``n`` test images (all by default). Raises
+    ``ValueError`` for a model without attention blocks to remove (a ViT)."""
     from lipvit.ablation import ablate_attention
     from lipvit.commands import _common as C
+    from lipvit.lipschitz_blocks import ClassAttention
 
     ckpt = C.load_checkpoint(path)
     model = ckpt.model.eval()
-    ablated = ablate_attention(model)
+    models = {"accuracy": model, "ablated_accuracy": ablate_attention(model)}
+    if any(isinstance(m, ClassAttention) for m in model.modules()):
+        models["self_ablated_accuracy"] = ablate_attention(model, "self")
     data = C.load_test_set(ckpt, n=n, data_dir=data_dir)
+    out: dict[str, Any] = {"n": len(data.y)}
     with torch.no_grad():
-        right = [(m(data.x[i:i + 500]).argmax(1) == data.y[i:i + 500]).sum()
-                 for m in (model, ablated) for i in range(0, len(data.y), 500)]
-    half = len(right) // 2
-    return {"n": len(data.y), "accuracy": float(sum(right[:half])) / len(data.y),
-            "ablated_accuracy": float(sum(right[half:])) / len(data.y)}
+        for key, m in models.items():
+            right = sum(int((m(data.x[i:i + 500]).argmax(1) == data.y[i:i + 500]).sum())
+                        for i in range(0, len(data.y), 500))
+            out[key] = right / len(data.y)
+    return out
 
 
 def _fmt(value: Any) -> str:
@@ -150,7 +154,11 @@ def info_command(path: Path, as_json: bool, ablate_attention: bool, n: int | Non
         a = d["ablation"]
         lines.append(f"ablation     test accuracy {100 * a['accuracy']:.2f}%, with "
                      "every attention term removed "
-                     f"{100 * a['ablated_accuracy']:.2f}% ({a['n']} test images)")
+                     f"{100 * a['ablated_accuracy']:.2f}%"
+                     + (f", only the self-attention removed "
+                        f"{100 * a['self_ablated_accuracy']:.2f}%"
+                        if "self_ablated_accuracy" in a else "")
+                     + f" ({a['n']} test images)")
     proven = None if s is None else s.get("proven", s.get("hybrid"))
     if proven is not None:  # hybrid ViT, CaiT: no W_q, W_k, W_v table
         lines.append(f"{proven.get('arch', 'hybrid'):<12} {proven_text(proven)}")
