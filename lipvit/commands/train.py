@@ -31,10 +31,9 @@ DEFAULT_PRESET = {
 """Preset used when ``--preset`` is not given, per (dataset, family). The
 lipschitz family needs the wider, deeper digits model to pass 90 % test accuracy
 in a few CPU minutes; on Fashion-MNIST's 28×28 images the standard family gets
-the 50-token ``fmnist-3x64`` and the lipschitz family the hybrid ViT
-``fmnist-hybrid`` (a proven global constant; its certificates beat a
-1-Lipschitz CNN's, docs/fashion-mnist.md); other datasets default to
-:data:`FALLBACK_PRESET`."""
+the 50-token ``fmnist-3x64`` and the lipschitz family the CaiT
+``fmnist-cait`` (tokens meet only in attention; certified by ``ball``,
+docs/fashion-mnist.md); other datasets default to :data:`FALLBACK_PRESET`."""
 FALLBACK_PRESET = "cifar-lofast-3x128"
 
 
@@ -90,9 +89,9 @@ def _defaults_help(name: str, default: Any = None) -> str:
     type=click.Choice(tuple(PRESETS)),
     default=None,
     help="Model size [default: digits-tiny (standard) or digits-small "
-    "(lipschitz) for digits, fmnist-3x64 (standard) or fmnist-hybrid "
-    "(lipschitz: the hybrid ViT, certified by its proven global constant) for "
-    "fashion-mnist, "
+    "(lipschitz) for digits, fmnist-3x64 (standard) or fmnist-cait "
+    "(lipschitz: a CaiT whose tokens meet only in attention, certified by "
+    "ball) for fashion-mnist, "
     f"{FALLBACK_PRESET} otherwise].",
 )
 @click.option(
