@@ -265,6 +265,22 @@ def test_certify_samples_labels_the_guarantee(noisy_vit, digits):
                         ["smoothing"], [0.1])
 
 
+def test_smoothing_beside_a_capped_model_reads_its_own_weights(digits):
+    # A lipschitz ViT's weights are parametrized (spectral caps), and torch's
+    # parametrization cache keys a weight by the module it was registered on,
+    # which every copy shares: smoothing's float32 base classifier must not
+    # meet the float64 copy that the other methods certify under that cache.
+    from tests.conftest import nonlinear_model
+
+    model = nonlinear_model("lipschitz", 0).float()
+    x, y = digits.x_test[:2], digits.y_test[:2]
+    cfg = SmoothingConfig(sigma=SIGMA, n0=10, n_noise=20, batch_size=16)
+    report = certify_samples(model, x, y, ["smoothing", "lofast"], [0.01],
+                             smoothing=cfg)
+    with torch.no_grad():
+        assert torch.equal(report.predictions, model.double()(x.double()).argmax(1))
+
+
 @pytest.fixture(scope="module")
 def noisy_ckpt(noisy_vit, tmp_path_factory):
     """:func:`noisy_vit` saved with its noise in the training configuration."""
