@@ -213,7 +213,7 @@ def test_schedules_per_dataset() -> None:
     assert train_config_for("lipschitz", arch="hybrid", margin=0.0).margin == 0.0
     # CaiT (the lipschitz default on Fashion-MNIST): trained for ball at 0.1.
     cait = train_config_for("lipschitz", "fashion-mnist", arch="cait")
-    assert (cait.epochs, cait.batch_size, cait.cert_eps) == (16, 256, 0.1)
+    assert (cait.epochs, cait.batch_size, cait.cert_eps) == (12, 256, 0.1)
     assert cait.relu_stability == 0 and not any(cait.msvp) and not cait.augment
 
 
