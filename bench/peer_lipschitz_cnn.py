@@ -71,7 +71,7 @@ from lipvit.certify.evaluate import certify_samples
 from lipvit.certify.global_bound import GlobalConstant, global_constant, global_radius
 from torch import Tensor, nn
 
-from lipvit.ablation import ablate_attention
+from lipvit.ablation import ablate_attention, ablations
 from lipvit.commands import _common as C
 from lipvit.commands.certify import default_method
 from lipvit.data import load_dataset
@@ -267,7 +267,7 @@ def main() -> None:
         radii[name] = r
         # its attention ablated (CaiT: also its self-attention alone): clean
         # accuracy only
-        for which in ("all", "self") if ckpt.config.arch == "cait" else ("all",):
+        for which in ablations(ours):
             with torch.no_grad():
                 ablated = ablate_attention(ours, which)(x).argmax(1) == y
             label = "attention" if which == "all" else "self-attention"

@@ -8,7 +8,18 @@ from torch import nn
 
 from lipvit.lipschitz_blocks import ClassAttention, attention_maps
 
-WHICH = ("all", "self")
+WHICH = ("all", "self")  # ablate_attention: every attention term, or the self-attention
+ABLATED_KEY = {"all": "ablated_accuracy", "self": "self_ablated_accuracy"}
+"""Where summaries and ``lipvit info --json`` keep each ablation's accuracy."""
+
+
+def ablations(model: nn.Module) -> tuple[str, ...]:
+    """The ``which`` of :func:`ablate_attention` that differ on ``model``:
+    ``("all", "self")`` where it has class attention (CaiT), else ``("all",)``
+    (the hybrid ViT's attention is all self-attention)."""
+    if any(isinstance(m, ClassAttention) for m in model.modules()):
+        return WHICH
+    return WHICH[:1]
 
 
 def ablate_attention(model: nn.Module, which: str = "all") -> nn.Module:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lipvit.ablation import ablate_attention
+from lipvit.ablation import ABLATED_KEY, ablate_attention, ablations
 from lipvit.certify.certification import float64_model
 from lipvit.certify.global_bound import global_constant
 
@@ -25,10 +25,9 @@ def proven_summary(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
     y = y.to(m.pos_embed.device)
     with torch.no_grad():
         acc = float((m(x).argmax(1) == y).double().mean())
-        ablated = {f"{key}ablated_accuracy":
+        ablated = {ABLATED_KEY[which]:
                    float((ablate_attention(m, which)(x).argmax(1) == y).double().mean())
-                   for key, which in (("", "all"), ("self_", "self"))
-                   if which == "all" or m.config.arch == "cait"}
+                   for which in ablations(m)}
     return {"arch": m.config.arch, "global_constant": float(global_constant(m).L),
             "attention": m.attention_spread(x), "accuracy": acc, **ablated,
             "points": int(x.shape[0])}

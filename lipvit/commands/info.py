@@ -62,15 +62,13 @@ def ablation_accuracy(path: Path, n: int | None, data_dir: Path | None
     :func:`lipvit.ablate_attention` of it, and (CaiT) of it with only its
     self-attention removed, on ``n`` test images (all by default). Raises
     ``ValueError`` for a model without attention blocks to remove (a ViT)."""
-    from lipvit.ablation import ablate_attention
+    from lipvit.ablation import ABLATED_KEY, ablate_attention, ablations
     from lipvit.commands import _common as C
-    from lipvit.lipschitz_blocks import ClassAttention
 
     ckpt = C.load_checkpoint(path)
     model = ckpt.model.eval()
-    models = {"accuracy": model, "ablated_accuracy": ablate_attention(model)}
-    if any(isinstance(m, ClassAttention) for m in model.modules()):
-        models["self_ablated_accuracy"] = ablate_attention(model, "self")
+    models = {"accuracy": model, **{ABLATED_KEY[which]: ablate_attention(model, which)
+                                    for which in ablations(model)}}
     data = C.load_test_set(ckpt, n=n, data_dir=data_dir)
     out: dict[str, Any] = {"n": len(data.y)}
     with torch.no_grad():
