@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lipvit.certify.ball.network import ball_constant
-from lipvit.certify.global_bound import proven_chain
+from lipvit.certify.global_bound import pair_constants, proven_chain
 from lipvit.lipschitz_blocks import attention_maps
 
 
@@ -63,7 +63,7 @@ class BallLoss:
         L = ball_constant(chain, self._inputs, eps, exact=False)  # (B,)
         self.clear()
         W = self.model.head.weight
-        pair = torch.linalg.vector_norm(W[y][:, None, :] - W[None], dim=-1)  # (B, C)
+        pair = pair_constants(W, W.new_ones(()), y)  # (B, C): ‖w_y − w_j‖
         raised = logits / L[:, None] + eps * pair
         self.last = {"certified": (raised.argmax(dim=1) == y).detach()}
         return raised
