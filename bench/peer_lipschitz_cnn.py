@@ -322,7 +322,10 @@ def plot(results: dict, radii: dict[str, Tensor], eps_list: list[float],
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 6.5))
-    grid = torch.linspace(0, max(eps_list) * 1.5, 301, dtype=torch.float64)
+    # to the largest certified radius, so that no curve is cut off above 0
+    top = max(float(r[torch.isfinite(r)].max()) for r in radii.values())
+    grid = torch.linspace(0, max(max(eps_list) * 1.5, top * 1.02), 301,
+                          dtype=torch.float64)
     for i, (name, r) in enumerate(radii.items()):
         color, line = f"C{i}", "-" if name.startswith("lipvit") else "--"
         curve = [100 * certified_share(r, float(e)) for e in grid]
