@@ -182,21 +182,28 @@ def pgd_taylor_rest(fn: Callable[[Tensor], Tensor], z: Tensor, g: Tensor, H: Ten
     rest of a scalar map beyond its second-order Taylor polynomial (``g``,
     ``H`` its gradient and Hessian at ``z`` ``(n,)``), by normalised-gradient
     ascent and descent from ``restarts`` random points of the sphere, the step
-    decaying linearly from ``0.3 ε``. A **lower bound** of the largest rest."""
-    f0 = fn(z).detach()
+    decaying linearly from ``0.3 ε``. A **lower bound** of the largest rest.
+
+    ``fn`` maps points ``(M, n)`` to values ``(M,)``: the ``2·restarts``
+    trajectories (each start ascending and descending) run as one batch.
+    """
+    f0 = fn(z[None]).detach()  # (1,)
     gen = torch.Generator().manual_seed(seed)
-    best = 0.0
-    for _ in range(restarts):
-        start = torch.randn(z.numel(), generator=gen, dtype=z.dtype)
-        for sign in (1.0, -1.0):
-            d = eps * start / start.norm()
-            for i in range(steps):
-                d.requires_grad_(True)
-                rest = fn(z + d) - f0 - g @ d - 0.5 * d @ H @ d
-                (grad,) = torch.autograd.grad(sign * rest, d)
-                best = max(best, abs(rest.item()))
-                with torch.no_grad():
-                    size = 0.3 * eps * (1 - i / steps)
-                    d = d + size * grad / grad.norm().clamp_min(1e-300)
-                    d = d * (eps / d.norm()).clamp(max=1.0)
-    return best
+    starts = torch.stack([torch.randn(z.numel(), generator=gen, dtype=z.dtype)
+                          for _ in range(restarts)])  # (restarts, n)
+    sign = torch.tensor([1.0, -1.0], dtype=z.dtype).repeat(restarts)  # (M,)
+    d = starts.repeat_interleave(2, 0)  # (M, n): each start, both signs
+    d = eps * d / torch.linalg.vector_norm(d, dim=1, keepdim=True)
+    best = torch.zeros((), dtype=z.dtype)
+    for i in range(steps):
+        d.requires_grad_(True)
+        with torch.enable_grad():
+            rest = fn(z + d) - f0 - d @ g - 0.5 * torch.einsum("mi,ij,mj->m", d, H, d)
+            (grad,) = torch.autograd.grad((sign * rest).sum(), d)
+        with torch.no_grad():
+            best = torch.maximum(best, rest.abs().max())
+            size = 0.3 * eps * (1 - i / steps)
+            gnorm = torch.linalg.vector_norm(grad, dim=1, keepdim=True).clamp_min(1e-300)
+            d = d + size * grad / gnorm
+            d = d * (eps / torch.linalg.vector_norm(d, dim=1, keepdim=True)).clamp(max=1.0)
+    return float(best)

@@ -52,8 +52,9 @@ def main() -> None:
         xb, yb = x[b], int(y[b])
 
         def margin(z: torch.Tensor, xb=xb, yb=yb) -> torch.Tensor:
-            out = model(z.view(1, *xb.shape))[0]
-            return out[yb] - out
+            out = model(z.reshape(-1, *xb.shape))
+            out = out[:, yb, None] - out  # (M, K)
+            return out[0] if z.dim() == 1 else out
 
         with torch.no_grad():
             m = margin(xb.flatten())
@@ -68,7 +69,7 @@ def main() -> None:
         with sdpa_kernel(SDPBackend.MATH):
             for eps in args.eps:
                 R = jm.remainder(torch.tensor(eps, dtype=x.dtype))[k].item()
-                found = pgd_taylor_rest(lambda z, k=k: margin(z)[k], xb.flatten(),
+                found = pgd_taylor_rest(lambda z, k=k: margin(z)[:, k], xb.flatten(),
                                         jm.gradient[k], jm.hessian[k], eps, seed=k)
                 print(f"{index[b]:5d}  {eps:<7.0e}  {R:.3e}  {found:.3e}  "
                       f"{R / found:.3g}")

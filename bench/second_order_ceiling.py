@@ -98,8 +98,9 @@ def main() -> None:
             k = int(m_all.argmin())
 
             def margin(z: torch.Tensor, yb=yb, k=k, shape=xb.shape) -> torch.Tensor:
-                o = model(z.view(1, *shape))[0]
-                return o[yb] - o[k]
+                o = model(z.reshape(-1, *shape))  # a flat image or a batch
+                r = o[:, yb] - o[:, k]
+                return r[0] if z.dim() == 1 else r
 
             m = float(m_all[k])
             g = grad(margin)(z0)

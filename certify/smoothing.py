@@ -53,7 +53,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from scipy.stats import binomtest, norm
 from torch import Tensor, nn
 
 GUARANTEE = "probabilistic"
@@ -122,6 +121,8 @@ def clopper_pearson_lower(k: int, n: int, alpha: float) -> float:
     """
     if not 0 <= k <= n or n < 1:
         raise ValueError(f"need 0 <= k <= n and n >= 1, got k={k}, n={n}")
+    from scipy.stats import binomtest  # 0.7 s to import: not on every command's path
+
     ci = binomtest(int(k), int(n), alternative="greater").proportion_ci(
         confidence_level=1 - alpha, method="exact")
     return float(ci.low)
@@ -132,6 +133,8 @@ def smoothing_radius(p_lower: float, sigma: float) -> float:
     ``norm.ppf``); 0 where ``p̲_A ≤ 1/2`` (CERTIFY abstains below 1/2)."""
     if not p_lower > 0.5:
         return 0.0
+    from scipy.stats import norm  # as binomtest above
+
     return float(sigma * norm.ppf(p_lower))
 
 
@@ -332,6 +335,8 @@ def predict_smoothed(f: nn.Module, x: Tensor, sigma: float, n: int, alpha: float
     counts = sample_counts(f, x, n, sigma, num_classes, batch_size, generator)
     top2 = counts.topk(2)
     n_a, n_b = int(top2.values[0]), int(top2.values[1])
+    from scipy.stats import binomtest  # as in clopper_pearson_lower
+
     if binomtest(n_a, n_a + n_b, 0.5).pvalue > alpha:
         return -1
     return int(top2.indices[0])

@@ -178,9 +178,12 @@ def _model(seed: int):
 
 
 def _margins(model: ViT, x: Tensor, y: int):
+    """``z ↦ logit_y − logits`` on a flat image ``(n,)`` → ``(K,)``, or on a
+    batch ``(M, n)`` → ``(M, K)``."""
     def m(z: Tensor) -> Tensor:
-        out = model(z.view(1, *x.shape))[0]
-        return out[y] - out
+        out = model(z.reshape(-1, *x.shape))
+        out = out[:, y, None] - out
+        return out[0] if z.dim() == 1 else out
 
     return m
 
@@ -225,7 +228,7 @@ def test_margin_rest_and_drop_bound_pgd(seed, eps, monkeypatch, jets_cache):
     with sdpa_kernel(SDPBackend.MATH):
         for k in range(10):
             if k != y:
-                found = pgd_taylor_rest(lambda z, k=k: m(z)[k], x.flatten(),
+                found = pgd_taylor_rest(lambda z, k=k: m(z)[:, k], x.flatten(),
                                         jm.gradient[k], jm.hessian[k], eps, steps=60,
                                         restarts=3, seed=k)
                 assert found <= r[k].item() * (1 + 1e-9), (k, found, r[k].item())
