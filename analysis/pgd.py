@@ -175,6 +175,11 @@ def pgd_margin_drop(
     return best.reshape(B, K).detach()
 
 
+def _row_norm(d: Tensor) -> Tensor:
+    """``‖d_m‖₂`` per row of ``d`` ``(M, n)``, as ``(M, 1)``."""
+    return torch.linalg.vector_norm(d, dim=1, keepdim=True)
+
+
 def pgd_taylor_rest(fn: Callable[[Tensor], Tensor], z: Tensor, g: Tensor, H: Tensor,
                     eps: float, steps: int = 100, restarts: int = 4,
                     seed: int = 0) -> float:
@@ -193,7 +198,7 @@ def pgd_taylor_rest(fn: Callable[[Tensor], Tensor], z: Tensor, g: Tensor, H: Ten
                           for _ in range(restarts)])  # (restarts, n)
     sign = torch.tensor([1.0, -1.0], dtype=z.dtype).repeat(restarts)  # (M,)
     d = starts.repeat_interleave(2, 0)  # (M, n): each start, both signs
-    d = eps * d / torch.linalg.vector_norm(d, dim=1, keepdim=True)
+    d = eps * d / _row_norm(d)
     best = torch.zeros((), dtype=z.dtype)
     for i in range(steps):
         d.requires_grad_(True)
@@ -203,7 +208,6 @@ def pgd_taylor_rest(fn: Callable[[Tensor], Tensor], z: Tensor, g: Tensor, H: Ten
         with torch.no_grad():
             best = torch.maximum(best, rest.abs().max())
             size = 0.3 * eps * (1 - i / steps)
-            gnorm = torch.linalg.vector_norm(grad, dim=1, keepdim=True).clamp_min(1e-300)
-            d = d + size * grad / gnorm
-            d = d * (eps / torch.linalg.vector_norm(d, dim=1, keepdim=True)).clamp(max=1.0)
+            d = d + size * grad / _row_norm(grad).clamp_min(1e-300)
+            d = d * (eps / _row_norm(d)).clamp(max=1.0)
     return float(best)
