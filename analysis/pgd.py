@@ -55,7 +55,9 @@ def pgd_deviation(
 
     Args:
         fn: a batched map ``(B, *in) → (B, *out)`` whose output sample ``b``
-            depends only on input sample ``b`` (models in eval mode).
+            depends only on input sample ``b`` (models in eval mode), for
+            any batch size: the restarts run as one batch of ``restarts·B``
+            inputs, restart ``r``'s copy of sample ``b`` at row ``r·B + b``.
         X: clean inputs, shape ``(B, *in)``.
         eps: radius ε ≥ 0 (a float, or a ``(B,)`` tensor of per-sample radii).
         steps: gradient steps per restart (≥ 0; 0 evaluates the starts only).
@@ -90,32 +92,38 @@ def pgd_deviation(
 
     with torch.no_grad():
         Y = fn(X).detach()  # (B, *out)
-    best = torch.zeros_like(eps_b)
+    # Every restart at once: copy r of sample b at row r·B + b.
+    B, R = X.shape[0], restarts
+    Xr, Yr = X.repeat(R, *(1,) * (X.ndim - 1)), Y.repeat(R, *(1,) * (Y.ndim - 1))
+    eps_r, alpha0 = eps_b.repeat(R), alpha0.repeat(R)  # (R·B,)
 
     def project(delta: Tensor) -> Tensor:
         # Shrink onto the ball; the factor below 1 keeps rounding inside it.
         norm = _flat_norm(delta).clamp_min(tiny)
-        scale = (eps_b * (1 - 4 * unit) / norm).clamp(max=1)
+        scale = (eps_r * (1 - 4 * unit) / norm).clamp(max=1)
         return delta * _per_sample(scale, delta)
 
-    for _ in range(restarts):
-        delta = torch.randn(X.shape, generator=gen, dtype=X.dtype, device=X.device)
-        radius = eps_b / _flat_norm(delta).clamp_min(tiny)
-        delta = project(delta * _per_sample(radius, X))
-        for k in range(steps + 1):
-            with torch.enable_grad():
-                Xp = (X + delta).requires_grad_(True)
-                diff = (fn(Xp) - Y).reshape(X.shape[0], -1)  # (B, out)
-                dev2 = diff.pow(2).sum(dim=1)  # (B,)
-                grad = None
-                if k < steps:
-                    (grad,) = torch.autograd.grad(dev2.sum(), Xp)
-            best = torch.maximum(best, dev2.detach().sqrt())
-            if grad is None:
-                break
-            alpha = alpha0 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * k / steps)))
-            gnorm = _flat_norm(grad).clamp_min(tiny)
-            delta = project(delta + grad * _per_sample(alpha / gnorm, grad))
+    delta = torch.cat([torch.randn(X.shape, generator=gen, dtype=X.dtype,
+                                   device=X.device)
+                       for _ in range(R)])  # (R·B, *in): each restart's draw in turn
+    radius = eps_r / _flat_norm(delta).clamp_min(tiny)
+    delta = project(delta * _per_sample(radius, delta))
+    best = torch.zeros_like(eps_r)
+    for k in range(steps + 1):
+        with torch.enable_grad():
+            Xp = (Xr + delta).requires_grad_(True)
+            diff = (fn(Xp) - Yr).reshape(R * B, -1)  # (R·B, out)
+            dev2 = diff.pow(2).sum(dim=1)  # (R·B,)
+            grad = None
+            if k < steps:
+                (grad,) = torch.autograd.grad(dev2.sum(), Xp)
+        best = torch.maximum(best, dev2.detach().sqrt())
+        if grad is None:
+            break
+        alpha = alpha0 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * k / steps)))
+        gnorm = _flat_norm(grad).clamp_min(tiny)
+        delta = project(delta + grad * _per_sample(alpha / gnorm, grad))
+    best = best.reshape(R, B).amax(0)  # (B,)
     return best
 
 

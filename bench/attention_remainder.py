@@ -52,7 +52,8 @@ def main() -> None:
         def bare(X, W=W):
             return attention(X, *W, residual=False)
 
-        def remainder(U, p=p, bare=bare):  # batched: sample b moves from p[b]
+        def remainder(U, p=p, bare=bare):  # batched: row r·B + b moves from p[b]
+            p = p.repeat(len(U) // len(p), 1, 1)  # pgd_deviation's restarts
             return bare(U) - bare(p) - torch.func.jvp(bare, (p,), (U - p,))[1]
 
         gains = with_softmax_gains(block, p, chain[k])

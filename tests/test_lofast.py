@@ -338,8 +338,10 @@ def test_delta_1_attained_by_pgd_on_linear_term(residual: bool) -> None:
     eps = 0.2
     b = lofast_bound(X, *W, eps, residual=residual)
 
-    def linear(Z):  # X' ↦ A(X' − X): the Δ1 term of eq. (10)
-        return O.sensitivity_matvec(Z - X, P, W[2], W[3], residual)
+    def linear(Z):  # X' ↦ A(X' − X): the Δ1 term of eq. (10), Z restarts × samples
+        r = len(Z) // len(X)
+        return O.sensitivity_matvec(Z - X.repeat(r, 1, 1), P.repeat(r, 1, 1, 1),
+                                    W[2], W[3], residual)
 
     pgd = pgd_deviation(linear, X, eps, steps=200, restarts=2)
     assert torch.all(pgd <= b.delta_1 * (1 + 1e-10))

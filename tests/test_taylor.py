@@ -247,8 +247,10 @@ def test_stream_functionals_bound_pgd(kw, seed):
         for k in range(len(model.blocks)):
             X = stream[2 * k]
             for v in (X / X.flatten(1).norm(dim=1)[:, None, None], torch.randn_like(X)):
-                def read(u, k=k, v=v):
-                    return (forward(model, u)[1].stream[2 * k] * v).sum((1, 2))[:, None]
+                def read(u, k=k, v=v):  # u: pgd_deviation's restarts × samples
+                    vr = v.repeat(len(u) // len(v), 1, 1)
+                    s = forward(model, u)[1].stream[2 * k]
+                    return (s * vr).sum((1, 2))[:, None]
                 found = pgd_deviation(read, x, eps, steps=30, restarts=2)
                 bound = tb.functional(e, k, v)
                 assert torch.all(found <= bound * (1 + 1e-9)), (eps, k, found, bound)
