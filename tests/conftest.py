@@ -267,8 +267,9 @@ def pgd_lipschitz_ratio(
 
 
 def full_jacobian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """Dense Jacobian of ``fn`` at ``x`` as a matrix ``(out.numel(), x.numel())``."""
-    J = torch.autograd.functional.jacobian(fn, x)
+    """Dense Jacobian of ``fn`` at ``x`` as a matrix ``(out.numel(), x.numel())``
+    (every row's backward pass at once: ``vectorize``)."""
+    J = torch.autograd.functional.jacobian(fn, x, vectorize=True)
     out_numel = J.numel() // x.numel()
     return J.reshape(out_numel, x.numel())
 
