@@ -12,6 +12,7 @@ import pytest
 import scipy.io
 import torch
 
+from lipvit import data as lipvit_data
 from lipvit.data import Augment, augment, load_dataset
 from lipvit.errors import DataError
 
@@ -30,6 +31,33 @@ def test_digits_split(digits) -> None:
     assert digits.mean[0] == pytest.approx(float(digits.x_train.mean()), abs=1e-6)
     assert digits.std[0] == pytest.approx(float(digits.x_train.std()), abs=1e-6)
     assert not digits.augment.flip  # digits are not flip-invariant
+
+
+def test_digits_split_is_cached_and_remade_when_unreadable(tmp_path: Path,
+                                                            monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fresh = lipvit_data._digits_split()
+
+    def same(arrays) -> bool:
+        return arrays[4] == fresh[4] == 10 and all(
+            np.array_equal(a, b) and a.dtype == b.dtype
+            for a, b in zip(arrays[:4], fresh[:4], strict=True))
+
+    assert same(lipvit_data._digits())  # made, then kept
+    (path,) = (tmp_path / "lipvit").glob("digits-sklearn-*.npz")
+    monkeypatch.setattr(lipvit_data, "_digits_split", lambda: pytest.fail("remade"))
+    assert same(lipvit_data._digits())  # read back
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    assert same(lipvit_data._digits())
+    with np.load(path) as f:  # made again, whole
+        assert sorted(f) == ["x_test", "x_train", "y_test", "y_train"]
+    # A cache directory that cannot be made: the split is made, nothing kept.
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert same(lipvit_data._digits())
 
 
 def test_unknown_dataset_and_missing_dir(tmp_path: Path) -> None:
