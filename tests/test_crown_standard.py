@@ -128,7 +128,7 @@ def standard(request, digits):
 def test_standard_logit_bounds_contain_sampled_and_attacked_points(standard):
     model, x, y = standard
     eps = 0.01
-    lb, ub = crown.crown_logit_bounds(model, x, eps)
+    lb, ub = crown.crown_logit_bounds(model, x, eps, chunk_size=None)  # 4 in one
     assert torch.all(torch.isfinite(lb)) and torch.all(torch.isfinite(ub))
     assert torch.all((ub - lb).amax(1) < 2.0)  # not vacuous (logits span ~15)
     assert_logit_bounds_hold(model, x, y, eps, lb, ub, tol=TOL)
@@ -141,8 +141,9 @@ def test_standard_certified_points_survive_attacks(standard, monkeypatch):
     prepared = crown.crown_model(model)
     bounded_ops = None
     # crown_certify's CROWN margin bounds are the ones checked against PGD here
-    # (the same model, points, labels, ε, chunks and prepared model; CROWN has
-    # nothing to stop early): computed once, crown_certify decides from them.
+    # (the same model, points, labels, ε, chunk (all four points) and prepared
+    # model; CROWN has nothing to stop early): computed once, crown_certify
+    # decides from them.
     bounds, computed = crown.crown_margin_bounds, {}
 
     def margin_bounds_once(model_, x_, y_, eps_, **kw):
@@ -150,19 +151,21 @@ def test_standard_certified_points_survive_attacks(standard, monkeypatch):
         if (model_ is model and x_ is x and y_ is y and eps_ in computed
                 and kw.get("method", "CROWN") == "CROWN"
                 and kw.get("prepared") is prepared
-                and kw.get("chunk_size", 2) == 2):
+                and "chunk_size" in kw and kw["chunk_size"] is None):
             return computed[eps_]
         return bounds(model_, x_, y_, eps_, **kw)
 
     monkeypatch.setattr(crown, "crown_margin_bounds", margin_bounds_once)
     for eps in (0.002, 0.02):
-        mlb = computed[eps] = bounds(model, x, y, eps, prepared=prepared)
+        mlb = computed[eps] = bounds(model, x, y, eps, prepared=prepared,
+                                     chunk_size=None)
         for j in range(10):
             def margin_j(z, j=j):
                 out = model(z)
                 return out.gather(1, y[:, None]).squeeze(1) - out[:, j]
             assert torch.all(_pgd_min(margin_j, x, eps, steps=30) >= mlb[:, j] - TOL)
-        cert = crown.crown_certify(model, x, y, eps, prepared=prepared)
+        cert = crown.crown_certify(model, x, y, eps, prepared=prepared,
+                                   chunk_size=None)
         if eps == 0.002:
             assert cert.any(), "a trained tiny model certifies at a small radius"
         if cert.any():
