@@ -273,6 +273,14 @@ def load_dataset(
     )
 
 
+def check_data_dir(name: str, data_dir: PathLike | None) -> None:
+    """Refuse (:class:`DataError`, the message of :func:`load_dataset`) a
+    dataset's missing directory without reading it: for a command that starts
+    other work (processes, files) before it loads the data."""
+    if name != "digits":
+        _data_root(name, data_dir)
+
+
 def _data_root(name: str, data_dir: PathLike | None) -> Path:
     """``data_dir`` (or the default directory of ``name``), checked to exist."""
     if data_dir is None:

@@ -257,6 +257,7 @@ def test_cli_missing_directory_is_one_line(tmp_path: Path, command: list) -> Non
     assert result.exit_code == 1 and "Traceback" not in result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines[-1].startswith("Error") and "dataset-fashion-mnist" in lines[-1]
+    assert not (tmp_path / "run").exists()  # the pipeline refuses before any job
 
 
 def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(

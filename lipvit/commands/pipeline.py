@@ -52,7 +52,7 @@ from lipvit.commands.tightness import output_paths as tightness_paths
 from lipvit.commands.tightness import tightness
 from lipvit.commands.train import DEFAULT_PRESET, FALLBACK_PRESET, train_command
 from lipvit.config import PRESETS
-from lipvit.data import DATASETS, default_dirs_text
+from lipvit.data import DATASETS, check_data_dir, default_dirs_text
 from lipvit.errors import LipvitError
 from lipvit.pipeline.scheduler import cpu_count, default_jobs, run_plan
 from lipvit.pipeline.steps import Plan, Settings, Step, check_settings
@@ -431,6 +431,7 @@ def pipeline(
     }
     settings = dataclasses.replace(settings, **overrides)
     resolved = C.resolve_device(device)  # a bad device fails here, before any work
+    check_data_dir(dataset, data_dir)  # and a missing data directory
     available = crown_available()
     if crown and not available:
         raise LipvitError(
