@@ -38,6 +38,7 @@ def pgd_deviation(
     restarts: int = 4,
     step_size: float | None = None,
     seed: int = 0,
+    batch_restarts: bool = True,
 ) -> Tensor:
     """Largest ``‖fn(X')[b] − fn(X)[b]‖_F`` found by PGD over ``‖X'[b] − X[b]‖_F ≤ ε``.
 
@@ -55,9 +56,7 @@ def pgd_deviation(
 
     Args:
         fn: a batched map ``(B, *in) → (B, *out)`` whose output sample ``b``
-            depends only on input sample ``b`` (models in eval mode), for
-            any batch size: the restarts run as one batch of ``restarts·B``
-            inputs, restart ``r``'s copy of sample ``b`` at row ``r·B + b``.
+            depends only on input sample ``b`` (models in eval mode).
         X: clean inputs, shape ``(B, *in)``.
         eps: radius ε ≥ 0 (a float, or a ``(B,)`` tensor of per-sample radii).
         steps: gradient steps per restart (≥ 0; 0 evaluates the starts only).
@@ -66,6 +65,11 @@ def pgd_deviation(
             steps make the iteration a power iteration on the local Jacobian.
         seed: seed of the random starts (a private generator; global RNG state
             is untouched).
+        batch_restarts: run the restarts as one batch of ``restarts·B``
+            inputs (restart ``r``'s copy of sample ``b`` at row ``r·B + b``),
+            for an ``fn`` that takes any batch size; ``False``: one restart
+            after another, for an ``fn`` that holds tensors of its ``B``
+            samples. The same starts and steps either way.
 
     Returns:
         ``(B,)`` tensor (dtype of ``X``, detached): the best deviation found.
@@ -86,34 +90,45 @@ def pgd_deviation(
     eps_b = eps_per_sample(eps, X.shape[0], X.dtype, X.device)  # (B,)
     X = X.detach()
     alpha0 = 10 * eps_b if step_size is None else torch.full_like(eps_b, step_size)
-    tiny, unit = torch.finfo(X.dtype).tiny, torch.finfo(X.dtype).eps
     gen = torch.Generator(device=X.device)
     gen.manual_seed(seed)
 
     with torch.no_grad():
         Y = fn(X).detach()  # (B, *out)
+    draws = [torch.randn(X.shape, generator=gen, dtype=X.dtype, device=X.device)
+             for _ in range(restarts)]  # each restart's start, in turn
+    if not batch_restarts:
+        return torch.stack([_ascend(fn, X, Y, d, eps_b, alpha0, steps)
+                            for d in draws]).amax(0)
     # Every restart at once: copy r of sample b at row r·B + b.
     B, R = X.shape[0], restarts
-    Xr, Yr = X.repeat(R, *(1,) * (X.ndim - 1)), Y.repeat(R, *(1,) * (Y.ndim - 1))
-    eps_r, alpha0 = eps_b.repeat(R), alpha0.repeat(R)  # (R·B,)
+    best = _ascend(fn, X.repeat(R, *(1,) * (X.ndim - 1)),
+                   Y.repeat(R, *(1,) * (Y.ndim - 1)), torch.cat(draws),
+                   eps_b.repeat(R), alpha0.repeat(R), steps)  # (R·B,)
+    return best.reshape(R, B).amax(0)
+
+
+def _ascend(fn: TensorMap, X: Tensor, Y: Tensor, delta: Tensor, eps: Tensor,
+            alpha0: Tensor, steps: int) -> Tensor:
+    """:func:`pgd_deviation`'s ascent from the start directions ``delta``
+    (scaled onto the sphere of radius ``eps`` ``(B,)``) around ``X`` (``Y =
+    fn(X)``): the best deviation per row ``(B,)``."""
+    tiny, unit = torch.finfo(X.dtype).tiny, torch.finfo(X.dtype).eps
 
     def project(delta: Tensor) -> Tensor:
         # Shrink onto the ball; the factor below 1 keeps rounding inside it.
         norm = _flat_norm(delta).clamp_min(tiny)
-        scale = (eps_r * (1 - 4 * unit) / norm).clamp(max=1)
+        scale = (eps * (1 - 4 * unit) / norm).clamp(max=1)
         return delta * _per_sample(scale, delta)
 
-    delta = torch.cat([torch.randn(X.shape, generator=gen, dtype=X.dtype,
-                                   device=X.device)
-                       for _ in range(R)])  # (R·B, *in): each restart's draw in turn
-    radius = eps_r / _flat_norm(delta).clamp_min(tiny)
+    radius = eps / _flat_norm(delta).clamp_min(tiny)
     delta = project(delta * _per_sample(radius, delta))
-    best = torch.zeros_like(eps_r)
+    best = torch.zeros_like(eps)
     for k in range(steps + 1):
         with torch.enable_grad():
-            Xp = (Xr + delta).requires_grad_(True)
-            diff = (fn(Xp) - Yr).reshape(R * B, -1)  # (R·B, out)
-            dev2 = diff.pow(2).sum(dim=1)  # (R·B,)
+            Xp = (X + delta).requires_grad_(True)
+            diff = (fn(Xp) - Y).reshape(X.shape[0], -1)  # (B, out)
+            dev2 = diff.pow(2).sum(dim=1)  # (B,)
             grad = None
             if k < steps:
                 (grad,) = torch.autograd.grad(dev2.sum(), Xp)
@@ -123,7 +138,6 @@ def pgd_deviation(
         alpha = alpha0 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * k / steps)))
         gnorm = _flat_norm(grad).clamp_min(tiny)
         delta = project(delta + grad * _per_sample(alpha / gnorm, grad))
-    best = best.reshape(R, B).amax(0)  # (B,)
     return best
 
 

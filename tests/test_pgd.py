@@ -37,7 +37,8 @@ def test_per_sample_linear_maps(seed: int) -> None:
     W = torch.randn(4, 9, 6, generator=g, dtype=DT)
     X = torch.randn(4, 6, generator=g, dtype=DT)
     eps = torch.tensor([0.1, 0.5, 1.0, 2.0], dtype=DT)
-    dev = pgd_deviation(lambda Z: torch.einsum("bij,bj->bi", W, Z), X, eps)
+    dev = pgd_deviation(lambda Z: torch.einsum("bij,bj->bi", W, Z), X, eps,
+                        batch_restarts=False)  # the map holds each sample's W_b
     exact = eps * torch.linalg.matrix_norm(W, ord=2)
     assert torch.allclose(dev, exact, rtol=1e-4)
     assert torch.all(dev <= exact * (1 + 1e-10))
@@ -54,11 +55,29 @@ def test_every_evaluated_point_is_feasible_and_bound_is_below_lipschitz() -> Non
         return torch.tanh(3 * Z) / 3  # 1-Lipschitz, elementwise
 
     dev = pgd_deviation(fn, X, eps, steps=30, restarts=2)
-    radii = torch.stack([torch.linalg.vector_norm((Z - X).reshape(5, -1), dim=1)
-                         for Z in seen])
+    # The clean point, then the two restarts as one batch (rows r·5 + b).
+    radii = torch.cat([torch.linalg.vector_norm((Z - X.repeat(len(Z) // 5, 1, 1))
+                                                .reshape(len(Z), -1), dim=1)
+                       for Z in seen])
     assert bool((radii <= eps * (1 + 1e-12)).all())
     assert bool((dev <= eps * (1 + 1e-12)).all())
     assert bool((dev > 0).all())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batched_restarts_are_the_restarts_one_at_a_time(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(5, 4, generator=g, dtype=DT)
+    X = torch.randn(3, 2, 4, generator=g, dtype=DT)
+
+    def fn(Z):
+        return torch.tanh(Z @ W.T)
+
+    eps = torch.tensor([0.1, 0.5, 2.0], dtype=DT)
+    batched = pgd_deviation(fn, X, eps, steps=20, restarts=3, seed=seed)
+    alone = pgd_deviation(fn, X, eps, steps=20, restarts=3, seed=seed,
+                          batch_restarts=False)
+    assert torch.allclose(batched, alone, rtol=1e-12, atol=0)
 
 
 def test_deterministic_global_rng_untouched_and_works_under_no_grad() -> None:
