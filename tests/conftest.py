@@ -127,6 +127,12 @@ SLOW_TESTS = (
     "tests/test_crown_standard.py::test_standard_family_runs_through_certify_samples"
     "[[]1]",
     "tests/test_jets.py::test_quadratic_minimum_is_a_tight_lower_bound[[]*-[12]]",
+    # The CLI's taylor options end to end; the quick run keeps what they rest
+    # on: the memory planner's budgets and one-line refusal
+    # (tests/test_tangents.py) and the symbols' bounds at any count
+    # (tests/test_symbols.py).
+    "tests/test_taylor.py::test_cli_max_memory",
+    "tests/test_taylor.py::test_cli_max_symbols",
 )
 
 
