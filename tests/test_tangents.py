@@ -259,7 +259,7 @@ def test_large_image_mode_is_finite_at_zero(family, monkeypatch):
     from lipvit.certify.taylor.certificate import taylor_bound
 
     monkeypatch.setattr("lipvit.certify.taylor.jacobian_norms.EXACT_GRAM_MAX", 0)
-    model = _model(family, 3)
+    model = _model(family, 3, patch_size=4)  # 5 tokens: any size
     x = _images(2, 3)
     with torch.no_grad():
         y = model(x).argmax(1)
