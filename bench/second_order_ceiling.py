@@ -136,6 +136,10 @@ def main() -> None:
                     Hu = 0.5 * (Hu + Hu.T)
                     lam = float(torch.linalg.eigvalsh(Hu).abs().max())
                     curv.setdefault(s, []).append((lam, float(Hu.norm()) / lam))
+    if not first:
+        print("\nno correctly classified point among the chosen ones: nothing to "
+              "summarise")
+        return
     print(f"\nmedian first-order radius m/|g| {statistics.median(first):.4f}; "
           f"median ceiling / (m/|g|) {statistics.median(ceilings):.2f}"
           + (f"; median ceiling / attack radius {statistics.median(of_attack):.2f}"
