@@ -396,7 +396,7 @@ def _digits() -> Arrays:
     arrays = _digits_split()
     with contextlib.suppress(OSError, LipvitError), \
             atomic_path(path, force=True) as tmp:
-        np.savez(tmp, **dict(zip(names, arrays, strict=False)))
+        np.savez(tmp, **dict(zip(names, arrays[:4], strict=True)))
     return arrays
 
 
