@@ -133,6 +133,8 @@ SLOW_TESTS = (
     # (tests/test_symbols.py).
     "tests/test_taylor.py::test_cli_max_memory",
     "tests/test_taylor.py::test_cli_max_symbols",
+    # The wheel built, installed in a fresh venv and run (about 15 s).
+    "tests/test_wheel.py::*",
 )
 
 
