@@ -57,6 +57,76 @@ def _spread2(v: Tensor, centre: Tensor) -> Tensor:
     return (vv + cc - 2 * centre @ v.mT).clamp_min(0) + err
 
 
+class SelfBall(NamedTuple):
+    """What self-attention's bounds on a ball are made of (per sample, per
+    head): ``P0``, ``P_bar``, ``P_low`` ``(B, H, N, N)`` the attention at ``X``
+    and its entrywise bounds on the ball (eq. 10.1 and its mirror), ``P_norm``
+    ``(B, H)`` a bound of ``‖P_h(X′)‖``, ``soft`` ``(B,)`` the softmax path's
+    bound ``‖W_o‖ (2 max_t Σ_h c_{h,t})^{1/2}`` (eq. 10.2), ``reach`` ``(B,
+    N)`` the tokens' norms at ``X`` (before the projection)."""
+
+    P0: Tensor
+    P_bar: Tensor
+    P_low: Tensor
+    P_norm: Tensor
+    soft: Tensor
+    reach: Tensor
+
+
+def self_ball(
+    X: Tensor,
+    delta: Tensor,
+    W_q: Tensor,
+    W_k: Tensor,
+    W_v: Tensor,
+    norms: AttentionNorms,
+    B: Tensor,
+    radius: float,
+    exact: bool = True,
+) -> SelfBall:
+    """:class:`SelfBall` of ``X ↦ Σ_h softmax(B_h + X̂ A_h X̂ᵀ) X̂ W_v[h] W_o[h]``
+    on the ball of radius ``delta`` around ``X`` (docs/math.md §10): the logit
+    moves of eq. (10.3), the attention's bounds of eq. (10.1), the values'
+    spread of eq. (10.4) and the softmax path's bound of eq. (10.2). Shapes
+    as :func:`self_attention_local`."""
+    d = W_q.shape[-1]
+    R = radius
+    x_hat = layer_project(X, R)  # (B, N, D)
+    q, k, v = (torch.einsum("bnD,hDd->bhnd", x_hat, W) for W in (W_q, W_k, W_v))
+    P0 = (q @ k.mT / math.sqrt(d) + B).softmax(dim=-1)  # (B, H, N, N)
+    A_norm = norms.content[None, :, None]  # (1, H, 1) ‖A_h‖
+    beta = A_norm * R**2
+    kappa = torch.einsum("hDd,bhnd->bhnD", W_q, k).norm(dim=-1) / math.sqrt(d)
+    # (B, H, N) each
+    rho = torch.einsum("hDd,bhnd->bhnD", W_k, q).norm(dim=-1) / math.sqrt(d)
+    dl = delta[:, None, None]  # (B, 1, 1)
+    # Logit moves, eq. (10.3): u κ_j + ρ_i w + ‖A‖ u w with u² + w² ≤ δ² (i ≠ j).
+    Delta = (dl[..., None] * (kappa[:, :, None, :] ** 2 + rho[..., None] ** 2).sqrt()
+             + (A_norm * dl ** 2 / 2)[..., None])  # (B, H, N, N)
+    diag = dl * (kappa + rho) + A_norm * dl**2  # (B, H, N): i = j, u = w ≤ δ
+    Delta = torch.minimum(torch.diagonal_scatter(Delta, diag, dim1=-2, dim2=-1),
+                          (2 * beta)[..., None])
+    P_bar = attention_upper(P0, Delta)
+    P_low = attention_upper(P0, -Delta)  # numerator down, denominator up
+    P_norm = P_bar.sum(dim=-2).amax(dim=-1).sqrt()  # (B, H)
+    if exact:
+        P_norm = torch.minimum(P_norm, spectral_norm(P_bar) * (1 + 1e-12))
+    # Values' spread under row i, eq. (10.4): around the clean mean v̄_i.
+    W_v_h = norms.value_head[None, :, None]  # (1, H, 1) ‖W_v[h]‖
+    e2 = _spread2(v, P0 @ v)  # (B, H, N, N)
+    m = P_bar.amax(dim=-1)  # (B, H, N) ≥ max_j P_ij
+    sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
+             + W_v_h * dl * m.sqrt())
+    sigma = torch.minimum(sigma, W_v_h * R)
+    kappa_bar = torch.minimum(kappa + A_norm * dl, A_norm * R)
+    rho_bar = torch.minimum(rho + A_norm * dl, A_norm * R)
+    K = torch.minimum((P_bar * kappa_bar[:, :, None, :] ** 2).sum(dim=-1),
+                      (kappa_bar**2).amax(dim=-1, keepdim=True))  # (B, H, N)
+    c = sigma**2 * K + torch.einsum("bhi,bhit->bht", sigma**2 * rho_bar**2, P_bar)
+    soft = norms.out * (2 * c.sum(dim=1).amax(dim=-1)).sqrt()  # (B,)
+    return SelfBall(P0, P_bar, P_low, P_norm, soft, X.norm(dim=-1))
+
+
 def self_attention_local(
     X: Tensor,
     delta: Tensor,
@@ -77,48 +147,17 @@ def self_attention_local(
 
     the value path with the attention bounded entrywise on the ball, and the
     softmax path with the logits' reach and the values' spread as the ball
-    allows them. ``‖P̄_h‖`` is bounded by ``(max_j Σ_i P̄_ij)^{1/2}`` (rows of
-    the attention sum to 1) and, with ``exact``, also by the dense spectral
-    norm of ``P̄_h`` (float64 certification; training takes the first alone).
+    allows them (:func:`self_ball`). ``‖P̄_h‖`` is bounded by ``(max_j Σ_i
+    P̄_ij)^{1/2}`` (rows of the attention sum to 1) and, with ``exact``, also
+    by the dense spectral norm of ``P̄_h`` (float64 certification; training
+    takes the first alone).
 
     Shapes: ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``W_q, W_k, W_v`` ``(H, D,
     d)``, ``norms`` the weights' (:func:`lipvit.lipschitz_blocks.
     attention_norms`), ``B`` ``(H, N, N)``; returns ``(B,)``, differentiable.
     """
-    d = W_q.shape[-1]
-    R = radius
-    x_hat = layer_project(X, R)  # (B, N, D)
-    q, k, v = (torch.einsum("bnD,hDd->bhnd", x_hat, W) for W in (W_q, W_k, W_v))
-    P0 = (q @ k.mT / math.sqrt(d) + B).softmax(dim=-1)  # (B, H, N, N)
-    A_norm = norms.content[None, :, None]  # (1, H, 1) ‖A_h‖
-    beta = A_norm * R**2
-    kappa = torch.einsum("hDd,bhnd->bhnD", W_q, k).norm(dim=-1) / math.sqrt(d)
-    # (B, H, N) each
-    rho = torch.einsum("hDd,bhnd->bhnD", W_k, q).norm(dim=-1) / math.sqrt(d)
-    dl = delta[:, None, None]  # (B, 1, 1)
-    # Logit moves, eq. (10.3): u κ_j + ρ_i w + ‖A‖ u w with u² + w² ≤ δ² (i ≠ j).
-    Delta = (dl[..., None] * (kappa[:, :, None, :] ** 2 + rho[..., None] ** 2).sqrt()
-             + (A_norm * dl ** 2 / 2)[..., None])  # (B, H, N, N)
-    diag = dl * (kappa + rho) + A_norm * dl**2  # (B, H, N): i = j, u = w ≤ δ
-    Delta = torch.diagonal_scatter(Delta, diag, dim1=-2, dim2=-1)
-    P_bar = attention_upper(P0, torch.minimum(Delta, (2 * beta)[..., None]))
-    P_norm = P_bar.sum(dim=-2).amax(dim=-1).sqrt()  # (B, H)
-    if exact:
-        P_norm = torch.minimum(P_norm, spectral_norm(P_bar) * (1 + 1e-12))
-    # Values' spread under row i, eq. (10.4): around the clean mean v̄_i.
-    W_v_h = norms.value_head[None, :, None]  # (1, H, 1) ‖W_v[h]‖
-    e2 = _spread2(v, P0 @ v)  # (B, H, N, N)
-    m = P_bar.amax(dim=-1)  # (B, H, N) ≥ max_j P_ij
-    sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
-             + W_v_h * dl * m.sqrt())
-    sigma = torch.minimum(sigma, W_v_h * R)
-    kappa_bar = torch.minimum(kappa + A_norm * dl, A_norm * R)
-    rho_bar = torch.minimum(rho + A_norm * dl, A_norm * R)
-    K = torch.minimum((P_bar * kappa_bar[:, :, None, :] ** 2).sum(dim=-1),
-                      (kappa_bar**2).amax(dim=-1, keepdim=True))  # (B, H, N)
-    c = sigma**2 * K + torch.einsum("bhi,bhit->bht", sigma**2 * rho_bar**2, P_bar)
-    soft = (2 * c.sum(dim=1).amax(dim=-1)).sqrt()  # (B,)
-    return norms.out * (P_norm.amax(dim=-1) * norms.value + soft)
+    ball = self_ball(X, delta, W_q, W_k, W_v, norms, B, radius, exact)
+    return norms.out * ball.P_norm.amax(dim=-1) * norms.value + ball.soft
 
 
 class ClassBall(NamedTuple):

@@ -61,16 +61,26 @@ def attention_inputs(model: nn.Module, x: Tensor) -> tuple[Tensor, list[Tensor]]
     return logits, inputs
 
 
-def ball_constant(chain: Chain, inputs: list[Tensor], eps: Tensor | float,
-                  exact: bool = True) -> Tensor:
-    """``L(x, ε)``, ``(B,)``: the features the last layer reads move by at most
-    ``ε L`` on the ε-ball around the images whose attention inputs (clean
-    tokens) are ``inputs`` (:func:`attention_inputs`), ``chain`` the model's
-    :func:`~lipvit.certify.global_bound.proven_chain`. The radius after the
-    stem is ``ε L_stem``; each attention map multiplies it by its block
-    constant with its local constant on the ball that radius describes around
-    its input (capped by its global one), every other map by its proven
-    constant. In the inputs' dtype (certify a float64 copy), rounded up;
+class BallChain(NamedTuple):
+    """Where the ε-ball's image goes through the chain, per unit ``ε``
+    (:func:`ball_chain`): each attention map's input moves by at most
+    ``ε L_in[k]``, the block's output (its MLP's input) by ``ε L_mid[k]``, the
+    features the last layer reads by ``ε L`` (rounded up). Each ``(B,)``."""
+
+    L_in: list[Tensor]
+    L_mid: list[Tensor]
+    L: Tensor
+
+
+def ball_chain(chain: Chain, inputs: list[Tensor], eps: Tensor | float,
+               exact: bool = True) -> BallChain:
+    """:class:`BallChain` on the ε-ball around the images whose attention inputs
+    (clean tokens) are ``inputs`` (:func:`attention_inputs`), ``chain`` the
+    model's :func:`~lipvit.certify.global_bound.proven_chain`. The radius
+    after the stem is ``ε L_stem``; each attention map multiplies it by its
+    block constant with its local constant on the ball that radius describes
+    around its input (capped by its global one), every other map by its
+    proven constant. In the inputs' dtype (certify a float64 copy);
     differentiable (``exact=False`` for training: cheaper bounds, never
     smaller)."""
     first = inputs[0]
@@ -78,7 +88,9 @@ def ball_constant(chain: Chain, inputs: list[Tensor], eps: Tensor | float,
         first.shape[0])
     L = chain.stem.expand(first.shape[0])  # (B,)
     head = chain.head  # still to come: the head's hidden layer
+    L_in, L_mid = [], []
     for k, (attn, t) in enumerate(zip(chain.maps, inputs, strict=True)):
+        L_in.append(L)
         L_loc = local_constant(attn, chain.norms[k], t, eps * L, exact)
         L_A = torch.minimum(L_loc, chain.L_A[k])
         if exact and chain.class_head is not None and isinstance(attn, ClassAttention):
@@ -87,8 +99,17 @@ def ball_constant(chain: Chain, inputs: list[Tensor], eps: Tensor | float,
                                       chain.norms[k], attn.pos_bias, attn.radius,
                                       chain.class_head, chain.class_head_norm, head)
             L_A, head = torch.minimum(L_A * head, merged), 1.0
-        L = L * chain.factor(k, L_A) * chain.after[k]
-    return L * head * (1 + ROUNDING)
+        L = L * chain.factor(k, L_A)
+        L_mid.append(L)
+        L = L * chain.after[k]
+    return BallChain(L_in, L_mid, L * head * (1 + ROUNDING))
+
+
+def ball_constant(chain: Chain, inputs: list[Tensor], eps: Tensor | float,
+                  exact: bool = True) -> Tensor:
+    """``L(x, ε)``, ``(B,)``: the features the last layer reads move by at most
+    ``ε L`` on the ε-ball (:func:`ball_chain`'s ``L``), rounded up."""
+    return ball_chain(chain, inputs, eps, exact).L
 
 
 def ball_bound(model: nn.Module, x: Tensor, eps: Tensor | float,

@@ -147,6 +147,14 @@ def _defaults_help(name: str, default: Any = None) -> str:
     help="lipschitz: radius of that projection [default: 1].",
 )
 @click.option(
+    "--content-norm",
+    "cls_content",
+    type=float,
+    default=None,
+    help="cait: hold every class-attention head's content direction at this norm "
+    "(its logits then look at the image) [default: free].",
+)
+@click.option(
     "--epochs", type=int, default=None, help=f"[default: {_defaults_help('epochs')}]"
 )
 @click.option(
@@ -369,6 +377,7 @@ def train_command(
         "attn_radius",
         "attention",
         "conv_kernel",
+        "cls_content",
     )
     if out.suffix != ".json":  # (a .json --out is refused by `train` itself)
         outputs = [out, summary_path(out)]
