@@ -166,7 +166,7 @@ tensor :func:`eigvalsh`, :func:`eigh` and :func:`spectral_norm` solve on the
 host (LAPACK, one copy each way) where no gradient is needed: cuSOLVER reads
 back a status per matrix of a batch, thousands of host synchronisations per
 certificate (docs/results.md, "On a GPU"). ``0`` keeps every problem on the
-device (``bench/taylor_scale.py --host-linalg-max 0`` compares)."""
+device (``bench/user/taylor_scale.py --host-linalg-max 0`` compares)."""
 
 
 def _host(A: Tensor) -> bool:

@@ -85,7 +85,7 @@ def test_layernorm_subblock_norm_is_far_below_the_product_bound():
     """On a standard model the structured bound (value path by ζ of ``P D_c``,
     softmax path by rows) is within 4× the exact norm and well below the
     product ``1 + ‖J_a‖ ‖J_N‖`` (5–6× the exact norm on this model; 15–140×
-    on trained ones, bench/subblock_norms.py)."""
+    on trained ones, bench/studies/subblock_norms.py)."""
     model = nonlinear_model("standard", 0)
     x = torch.rand(3, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(0))
     bound, exact = _bound_and_exact(model, x)
@@ -124,7 +124,7 @@ def test_each_part_bounds_its_own_path(family, kw, seed):
     """:func:`subblock_parts`: the value part bounds ``‖I + K J_N‖`` (the
     attention matrices held at the clean point; 1.00–1.11× it here) and the
     softmax part the rest of the attention's Jacobian, ``‖S J_N‖`` (1.2–2.2×),
-    each against its dense Jacobian (what ``bench/subblock_norms.py --paths``
+    each against its dense Jacobian (what ``bench/studies/subblock_norms.py --paths``
     compares)."""
     model = nonlinear_model(family, seed, **kw)
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))

@@ -127,7 +127,7 @@ ZETA_CHOLESKY_MAX_N = 4096
 and ``n³/3`` flops per sample); above it the structured certificate stands
 alone. At the 6×384 preset (``n = 24 960``: a 5 GB Gram matrix, hours of one
 core; random weights) it is at most 2e-4 above ζ: a subspace four times
-larger has Ritz values (≤ ζ) within that of it (``bench/zeta_gap.py``)."""
+larger has Ritz values (≤ ζ) within that of it (``bench/studies/zeta_gap.py``)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Tightness of the attention-layer bounds against PGD (issue 3, LoFAST Table 3).
+"""Tightness of the attention-layer bounds against PGD (LoFAST's Table 3).
 
 One residual 8-head attention layer, ``N = 65`` tokens, ``D = 128`` (the size of
 LoFAST's 3-layer CIFAR model), random weights scaled like a trained LoFAST
@@ -31,16 +31,20 @@ over samples). All LoFAST numbers are exact-mode certificates
 (``lofast_bound(..., exact=True)``). The last two columns are the shares of
 the gap ``total − PGD`` that ``total_half`` and ``total_local`` close.
 
+The tables also go, as numbers, to ``--out``/layer_tightness.json.
+
 Usage::
 
-    python bench/layer_tightness.py                     # CPU, a few minutes
-    python bench/layer_tightness.py --n-samples 4 --device cuda
+    python bench/user/layer_tightness.py                # CPU, a few minutes
+    python bench/user/layer_tightness.py --n-samples 4 --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from lipvit.analysis.pgd import pgd_deviation
@@ -52,6 +56,9 @@ from torch import Tensor
 
 from lipvit.layers import layer_project
 from lipvit.spectral import power_iteration
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 N, D, H = 65, 128, 8
 EPS = (0.01, 0.03, 0.05, 0.07, 0.09, 0.1)
@@ -105,8 +112,9 @@ def lower_bound(fn, X: Tensor, v: Tensor, eps: float, steps: int,
     return pgd
 
 
-def table(X: Tensor, W: list[Tensor], eps_list, steps: int, restarts: int) -> list[str]:
-    """Markdown rows of one setting."""
+def table(X: Tensor, W: list[Tensor], eps_list, steps: int, restarts: int,
+          record: dict | None = None) -> list[str]:
+    """Markdown rows of one setting (their numbers into ``record`` if given)."""
     terms = lofast_terms(X, *W, residual=True, exact=True)
     spec = specformer_terms(X, *W, residual=True)
     v = zeta_direction(X, W)  # (B, N, D)
@@ -142,6 +150,20 @@ def table(X: Tensor, W: list[Tensor], eps_list, steps: int, restarts: int) -> li
             f"| {m(b.total_local / pgd):.4f} | {m(sf / pgd):.4g} "
             f"| {100 * closed_half:.0f} % | {100 * closed_local:.0f} % |"
         )
+        if record is not None:
+            record.setdefault("rows", []).append({
+                "eps": eps, "pgd": m(pgd), "zeta_eps": m(b.delta_1),
+                "total": m(b.total), "total_fast": m(b.total_fast),
+                "total_half": m(b.total_half), "total_local": m(b.total_local),
+                "specformer": m(sf), "zeta_eps_over_pgd": m(b.delta_1 / pgd),
+                "total_over_pgd": m(b.total / pgd),
+                "fast_over_pgd": m(b.total_fast / pgd),
+                "half_over_pgd": m(b.total_half / pgd),
+                "local_over_pgd": m(b.total_local / pgd),
+                "specformer_over_pgd": m(sf / pgd),
+                "gap_closed_half": closed_half, "gap_closed_local": closed_local})
+    if record is not None:
+        record.update(zeta_mean=float(terms.zeta.mean()), method=terms.method)
     return rows
 
 
@@ -156,6 +178,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="PGD steps per restart")
     parser.add_argument("--restarts", type=int, default=2, help="PGD restarts")
     parser.add_argument("--eps", type=float, nargs="+", default=list(EPS))
+    add_out(parser, __file__)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
@@ -169,15 +192,20 @@ def main() -> None:
           f"‖W_q[h]‖=‖W_k[h]‖={args.qk_norm:g}, ‖W_v[h]‖=‖W_o[h]‖={args.vo_norm:g}, "
           f"{args.n_samples} samples, seed {args.seed}, {args.dtype}, {device}; "
           f"PGD {args.steps} steps x {args.restarts} restarts\n")
+    record = {"N": N, "D": D, "H": H, "args": vars(args), "settings": []}
     for title, mode, qk_scale in settings:
         t0 = time.perf_counter()
         W = [w.to(device) for w in make_layer(args.qk_norm * qk_scale, args.vo_norm,
                                                args.seed, dtype)]
         X = make_inputs(args.n_samples, mode, args.seed, dtype).to(device)
-        rows = table(X, W, args.eps, args.steps, args.restarts)
+        setting = {"setting": title, "mode": mode, "qk_scale": qk_scale}
+        rows = table(X, W, args.eps, args.steps, args.restarts, setting)
         print(f"## {title}\n")
         print("\n".join(rows))
-        print(f"\n({time.perf_counter() - t0:.0f} s)\n")
+        setting["seconds"] = time.perf_counter() - t0
+        print(f"\n({setting['seconds']:.0f} s)\n")
+        record["settings"].append(setting)
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,17 @@ such steps). Both wall-clock and this process's CPU time are reported (the
 latter is the meaningful one on a shared CPU). SpecFormer reports 1.5× for
 MSVP.
 
-    python bench/attention_epoch_time.py                # digits-tiny, CPU
-    python bench/attention_epoch_time.py --preset digits-small --json out.json
+    python bench/user/attention_epoch_time.py           # digits-tiny, CPU
+    python bench/user/attention_epoch_time.py --preset digits-small --out runs/epoch
+
+Writes the rows it prints to ``--out``/attention_epoch_time.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,9 @@ from lipvit.config import ATTENTIONS, PRESETS, preset
 from lipvit.model import ViT
 from lipvit.msvp import MSVP
 from lipvit.train import TrainConfig, train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 
 def configurations(attentions=ATTENTIONS) -> list[tuple[str, bool]]:
@@ -87,7 +92,7 @@ def main() -> None:
     parser.add_argument("--msvp", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch.set_num_threads; 0 keeps torch's")
-    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    add_out(parser, __file__)
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -100,8 +105,7 @@ def main() -> None:
         print(f"{r['attention']:<9} {'yes' if r['msvp'] else 'no':<5} "
               f"{1e3 * r['step_s']:8.2f} {r['ratio']:6.2f} "
               f"{1e3 * r['step_cpu_s']:11.2f} {r['cpu_ratio']:9.2f}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    write_json(args.out, __file__, rows)
 
 
 if __name__ == "__main__":

@@ -8,17 +8,18 @@ load changes on a shared machine hit both alike, and the ratio of the medians
 of the per-step times is reported, for wall-clock time and (useful on a shared
 CPU) for the processor time of this process.
 
-    python bench/msvp_overhead.py                       # both families, CPU
-    python bench/msvp_overhead.py --family lipschitz --device cuda --batch-size 512
+    python bench/user/msvp_overhead.py                  # both families, CPU
+    python bench/user/msvp_overhead.py --family lipschitz --device cuda \\
+        --batch-size 512
 
-Prints one line per family and, with ``--json PATH``, writes the figures.
+Prints one line per family and writes the figures to ``--out``/msvp_overhead.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from lipvit.config import PRESETS, preset
 from lipvit.model import ViT
 from lipvit.msvp import MSVP
 from lipvit.train import TrainConfig, autocast_for, resolve_device, train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -120,7 +124,7 @@ def main() -> None:
         default=1,
         help="CPU threads (torch.set_num_threads); 0 keeps torch's",
     )
-    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    add_out(parser, __file__)
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -145,8 +149,7 @@ def main() -> None:
             f"(processor time: {1e3 * res['plain_cpu_s']:.2f} / "
             f"{1e3 * res['msvp_cpu_s']:.2f} ms, ratio {res['cpu_ratio']:.3f})"
         )
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, __file__, results)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Randomized smoothing beside the deterministic certificates, on one model (issue 56).
+"""Randomized smoothing beside the deterministic certificates, on one model.
 
 A user with a standard ViT (LayerNorm, GELU) who wants a certified number at
 ε = 0.25 turns to randomized smoothing (Cohen, Rosenfeld & Kolter 2019). Its
@@ -23,17 +23,18 @@ lipschitz model it trains: ``lipvit train --family lipschitz --msvp 1e-3``,
 without noise) on ``--lip-n`` points: ``taylor`` on the network and
 ``smoothing`` at the same σ, with both attack radii. Every step is a
 ``lipvit`` command (printed) or one library call, writing its JSON under
-``--out``; a rerun skips the steps whose JSON exists.
-It prints one markdown table and writes ``--figure`` (certified accuracy
-against ε, attacks as empirical ceilings) and ``--json``.
+``--work`` (default ``--out``/steps); a rerun skips the steps whose JSON
+exists. It prints one markdown table and writes it to
+``--out``/smoothing_side_by_side.json, with the figure
+``--out``/smoothing-fmnist.png (certified accuracy against ε, attacks as
+empirical ceilings).
 
 Usage (Fashion-MNIST from ``apt-get install dataset-fashion-mnist``)::
 
     lipvit train --dataset fashion-mnist --family standard --noise-sd 0.25 \\
         --threads 1 --out runs/smooth/fmnist-std-noise025.pt
-    python bench/smoothing_side_by_side.py --out runs/smooth \\
-        --std-ckpt runs/smooth/fmnist-std-noise025.pt \\
-        --figure docs/figures/smoothing-fmnist.png
+    python bench/user/smoothing_side_by_side.py --work runs/smooth \\
+        --std-ckpt runs/smooth/fmnist-std-noise025.pt --out docs/figures
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ from lipvit.analysis.smoothing_attack import (
 )
 
 from lipvit.commands import _common as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
+
+FIGURE = "smoothing-fmnist.png"
+"""The figure's file name in ``--out``."""
 
 GRID = (0.0002, 0.0005, 0.001, 0.01, 0.1, 0.25, 0.5, 1.0)
 TABLE_EPS = (0.001, 0.1, 0.25, 0.5, 1.0)
@@ -177,7 +184,10 @@ def _attack_curve(attack: dict | None, n: int) -> np.ndarray | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
+    add_out(p, __file__)
+    p.add_argument("--work", type=Path, default=None,
+                   help="folder for the steps' JSON and the models trained here "
+                        "(default: OUT/steps); a rerun skips the steps found there")
     p.add_argument("--std-ckpt", type=Path, default=None)
     p.add_argument("--lip-ckpt", type=Path, default=None)
     p.add_argument("--sigma", type=float, default=0.25)
@@ -191,39 +201,38 @@ def main() -> None:
                         "on one Fashion-MNIST point here)")
     p.add_argument("--smooth-attack-n", type=int, default=100)
     p.add_argument("--lip-n", type=int, default=40)
-    p.add_argument("--figure", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
+    work = a.work = a.work or a.out / "steps"
+    work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    std = a.std_ckpt or a.out / "fmnist-std-noise.pt"
+    std = a.std_ckpt or work / "fmnist-std-noise.pt"
     if not std.exists():
         run(["train", "--dataset", "fashion-mnist", "--family", "standard",
              "--noise-sd", f"{a.sigma:g}", "--threads", "1", "--no-progress",
              "--out", str(std)])
-    lip = a.lip_ckpt or a.out / "digits-lipschitz.pt"
+    lip = a.lip_ckpt or work / "digits-lipschitz.pt"
     if not lip.exists():
         run(["train", "--family", "lipschitz", "--msvp", "1e-3", "--threads", "1",
              "--no-progress", "--out", str(lip)])
     smooth = ["--sigma", f"{a.sigma:g}", "--n-noise", str(a.n_noise)]
     res: dict = {}
-    res["std_smoothing"] = certify(std, a.out / "std-smoothing.json", ["smoothing"],
+    res["std_smoothing"] = certify(std, work / "std-smoothing.json", ["smoothing"],
                                    a.n, smooth)
-    res["std_taylor"] = certify(std, a.out / "std-taylor.json", ["taylor"],
+    res["std_taylor"] = certify(std, work / "std-taylor.json", ["taylor"],
                                 a.taylor_n)
-    res["std_crown"] = certify(std, a.out / "std-crown.json", ["crown"], a.crown_n,
+    res["std_crown"] = certify(std, work / "std-crown.json", ["crown"], a.crown_n,
                                timeout=a.crown_timeout, eps=CROWN_EPS,
                                memory_gb=a.crown_memory)
-    res["std_attack"] = network_attack(std, a.out / "std-attack.json", a.n)
+    res["std_attack"] = network_attack(std, work / "std-attack.json", a.n)
     res["std_smooth_attack"] = smoothed_attack(
-        std, res["std_smoothing"], a.out / "std-smooth-attack.json", a.sigma,
+        std, res["std_smoothing"], work / "std-smooth-attack.json", a.sigma,
         a.smooth_attack_n)
-    res["lip_taylor"] = certify(lip, a.out / "lip-taylor.json", ["taylor"], a.lip_n)
-    res["lip_smoothing"] = certify(lip, a.out / "lip-smoothing.json", ["smoothing"],
+    res["lip_taylor"] = certify(lip, work / "lip-taylor.json", ["taylor"], a.lip_n)
+    res["lip_smoothing"] = certify(lip, work / "lip-smoothing.json", ["smoothing"],
                                    a.lip_n, smooth)
-    res["lip_attack"] = network_attack(lip, a.out / "lip-attack.json", a.lip_n)
+    res["lip_attack"] = network_attack(lip, work / "lip-attack.json", a.lip_n)
     res["lip_smooth_attack"] = smoothed_attack(
-        lip, res["lip_smoothing"], a.out / "lip-smooth-attack.json", a.sigma,
+        lip, res["lip_smoothing"], work / "lip-smooth-attack.json", a.sigma,
         a.smooth_attack_n)
 
     prob = "smoothed classifier, probability ≥ 1 − α"
@@ -257,12 +266,9 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch "
           f"{torch.__version__}, one thread; {datetime.date.today()}; "
           f"{time.perf_counter() - t0:.0f} s")
-    if a.json:
-        a.json.write_text(json.dumps({"headers": headers, "rows": table,
-                                      "args": {k: str(v) for k, v in vars(a).items()}},
-                                     indent=1) + "\n")
-    if a.figure:
-        figure(res, a, fm, dg)
+    write_json(a.out, __file__, {"headers": headers, "rows": table,
+                                 "args": {k: str(v) for k, v in vars(a).items()}})
+    figure(res, a, fm, dg)
 
 
 def figure(res: dict, a, fm: str, dg: str) -> None:
@@ -303,8 +309,8 @@ def figure(res: dict, a, fm: str, dg: str) -> None:
     fig.suptitle("Deterministic certificates of the network beside randomized "
                  f"smoothing; this project's 2-core x86_64 CPU, no GPU, "
                  f"{datetime.date.today()}", fontsize="medium")
-    save_figure(fig, a.figure)
-    print(f"wrote {a.figure}")
+    save_figure(fig, a.out / FIGURE)
+    print(f"wrote {a.out / FIGURE}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where `taylor`'s margin-drop bound goes, site by site (issue 23).
+"""Where `taylor`'s margin-drop bound goes, site by site.
 
 For each ε, on the points' hardest wrong class (the smallest margin minus its
 first-order drop ``‖c_jᵀJ‖ε``), prints the median over the points of: the
@@ -10,20 +10,27 @@ certified at ε when the first order plus the remainder stays below the
 margin, so the site whose share first reaches the margin's order is what
 limits the radius.
 
+The figures also go to ``--out``/taylor_sites.json.
+
 Usage::
 
-    python bench/taylor_sites.py --ckpt msvp.pt --n 20 --eps 1e-4 1e-3 1e-2
+    python bench/studies/taylor_sites.py --ckpt msvp.pt --n 20 --eps 1e-4 1e-3 1e-2
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
-from _points import float64_points
 from lipvit.certify.taylor.certificate import taylor_bound
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: helpers
+from _out import add_out, write_json  # noqa: E402
+from _points import float64_points  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +38,7 @@ def main() -> None:
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument("--eps", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2])
+    add_out(parser, __file__)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, x, y, _ = float64_points(args.ckpt, args.n)
@@ -42,21 +50,35 @@ def main() -> None:
     print(f"{args.ckpt}: {B} correctly classified of {args.n} points, "
           f"{model.config.family} family; {platform.node()}, "
           f"{time.strftime('%Y-%m-%d')}; medians over the points")
-    print(f"median certified radius {tb.radius().median():.3g}, first-order "
-          f"limit {tb.first_order_radius().median():.3g}")
+    radius, first_order = tb.radius().median(), tb.first_order_radius().median()
+    print(f"median certified radius {radius:.3g}, first-order "
+          f"limit {first_order:.3g}")
+    record = {"ckpt": args.ckpt, "correct": B, "n": args.n,
+              "family": model.config.family, "node": platform.node(),
+              "date": time.strftime('%Y-%m-%d'), "args": vars(args),
+              "median_radius": radius, "median_first_order_limit": first_order,
+              "eps": []}
     with torch.no_grad():
         for eps in args.eps:
             e = torch.full((B,), eps, dtype=torch.float64)
             sites, budgets, _ = tb.walk(e)
             first = tb.grad_norm * e[:, None]
             j = (tb.margins - first).argmin(1)  # the hardest wrong class
-            print(f"\neps {eps:g}: margin {tb.margins[rows, j].median():.3e}, "
-                  f"first order {first[rows, j].median():.3e}, remainder "
-                  f"{tb.remainder(e)[rows, j].median():.3e}")
+            entry = {"eps": eps, "margin": tb.margins[rows, j].median(),
+                     "first_order": first[rows, j].median(),
+                     "remainder": tb.remainder(e)[rows, j].median()}
+            print(f"\neps {eps:g}: margin {entry['margin']:.3e}, "
+                  f"first order {entry['first_order']:.3e}, remainder "
+                  f"{entry['remainder']:.3e}")
+            entry["sites"] = {}
             for name, share in sites.items():
                 print(f"  {name:16s} {share[rows, j].median():.3e}")
+                entry["sites"][name] = share[rows, j].median()
+            entry["stream_budgets"] = [float(b.all.median()) for b in budgets]
             print("  stream budgets " + " ".join(
-                f"{float(b.all.median()):.2e}" for b in budgets))
+                f"{v:.2e}" for v in entry["stream_budgets"]))
+            record["eps"].append(entry)
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

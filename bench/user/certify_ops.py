@@ -12,12 +12,13 @@ ratios to batch 1, measured in the same run (wall-clock and the process's
 CPU seconds: on a shared machine the CPU seconds are the steadier), and the
 process's peak resident memory so far (batches run in increasing size).
 
-    python bench/certify_ops.py                       # fmnist-3x64, batch 1, 8
-    python bench/certify_ops.py --preset cifar-lofast-3x128 --batch 1,8,32
-    python bench/certify_ops.py --method lofast --family standard
+    python bench/user/certify_ops.py                  # fmnist-3x64, batch 1, 8
+    python bench/user/certify_ops.py --preset cifar-lofast-3x128 --batch 1,8,32
+    python bench/user/certify_ops.py --method lofast --family standard
 
 The counts are deterministic (the seeds fix weights and images), so a busy
-machine changes the seconds, not the operations.
+machine changes the seconds, not the operations. The table also goes to
+``--out``/certify_ops.json.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from __future__ import annotations
 import argparse
 import platform
 import resource
+import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 from lipvit.certify.evaluate import certify_samples
@@ -34,6 +37,9 @@ from lipvit.certify.memory import parse_memory
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lipvit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):
@@ -72,6 +78,7 @@ def main() -> None:
     parser.add_argument("--max-memory", default=None,
                         help="taylor's --max-memory (e.g. 8G: 32 samples of "
                              "cifar-lofast-3x128 in one call)")
+    add_out(parser, __file__)
     args = parser.parse_args()
     memory = parse_memory(args.max_memory) if args.max_memory else None
     torch.set_num_threads(args.threads)
@@ -86,8 +93,13 @@ def main() -> None:
         y_all = model(x_all).argmax(1)
     print(f"{args.method} on {args.preset} ({args.family}, random weights), "
           f"eps {args.eps}, --radius, {args.threads} thread(s)")
+    now = datetime.now(timezone.utc)
     print(f"machine: {platform.platform()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+          f"torch {torch.__version__}; {now:%Y-%m-%d %H:%M} UTC")
+    record = {"method": args.method, "preset": args.preset, "family": args.family,
+              "eps": args.eps, "machine": platform.platform(),
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "date": f"{now:%Y-%m-%d %H:%M} UTC", "args": vars(args), "rows": []}
     print(f"{'batch':>5}  {'ops/sample':>11}  {'ratio':>6}  {'s/sample':>9}  "
           f"{'ratio':>6}  {'CPU s/sample':>12}  {'ratio':>6}  {'peak RSS GiB':>12}",
           flush=True)
@@ -101,6 +113,12 @@ def main() -> None:
         print(f"{b:>5}  {per[0]:>11.0f}  {per[0] / base[0]:>6.3f}  {per[1]:>9.3f}  "
               f"{per[1] / base[1]:>6.3f}  {per[2]:>12.3f}  {per[2] / base[2]:>6.3f}  "
               f"{peak:>12.2f}", flush=True)
+        record["rows"].append({
+            "batch": b, "ops_per_sample": per[0], "ops_ratio": per[0] / base[0],
+            "s_per_sample": per[1], "s_ratio": per[1] / base[1],
+            "cpu_s_per_sample": per[2], "cpu_ratio": per[2] / base[2],
+            "peak_rss_gib": peak})
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ over all heads; ``with_softmax_gains``), and the largest remainder
 ``‖a(p + Δ) − a(p) − J_a Δ‖_F`` PGD finds over ``‖Δ‖_F ≤ β`` (a lower bound
 of the true one); medians over the points of each bound / PGD.
 
-Usage::
+Usage (the table is also written to ``--out``/attention_remainder.json)::
 
-    python bench/attention_remainder.py --ckpt msvp.pt --n 5 --beta 1e-3 1e-2 0.1
+    python bench/studies/attention_remainder.py --ckpt msvp.pt --n 5 \\
+        --beta 1e-3 1e-2 0.1
 """
 
 from __future__ import annotations
@@ -18,15 +19,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import sys
+from pathlib import Path
 
 import torch
-from _points import float64_points
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.attention import attention, bound_weights
 from lipvit.certify.lofast.network import network_bound
 from lipvit.certify.taylor.forward import forward
 from lipvit.certify.taylor.remainders import attention_remainder
 from lipvit.certify.taylor.subblock import with_softmax_gains
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: helpers
+from _out import add_out, write_json  # noqa: E402
+from _points import float64_points  # noqa: E402
 
 
 def main() -> None:
@@ -35,6 +41,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=5)
     parser.add_argument("--beta", type=float, nargs="+", default=[1e-3, 1e-2, 0.1])
     parser.add_argument("--steps", type=int, default=100)
+    add_out(parser, __file__)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, x, _, _ = float64_points(args.ckpt, args.n)
@@ -43,6 +50,9 @@ def main() -> None:
     chain = network_bound(model, x, "lofast").attention_terms
     print(f"{args.ckpt}: n={len(x)}, {platform.machine()}, {platform.node()}, "
           f"{datetime.date.today()}; medians over the points")
+    record = {"ckpt": args.ckpt, "n": len(x), "machine": platform.machine(),
+              "node": platform.node(), "date": str(datetime.date.today()),
+              "args": vars(args), "rows": []}
     print("| block | β | bound / PGD | with the softmax gains / PGD | PGD remainder |")
     print("|---|---|---|---|---|")
     for k, block in enumerate(model.blocks):
@@ -64,6 +74,11 @@ def main() -> None:
             tight = attention_remainder(gains, b) / found
             print(f"| {k} | {beta:g} | {plain.median():.3g} | {tight.median():.3g} "
                   f"| {found.median():.3g} |")
+            record["rows"].append({
+                "block": k, "beta": beta, "bound_over_pgd": plain.median(),
+                "with_softmax_gains_over_pgd": tight.median(),
+                "pgd_remainder": found.median()})
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

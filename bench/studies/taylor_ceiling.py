@@ -1,5 +1,5 @@
 """How far the taylor certificate's relaxations can go: the sound radius against
-an **oracle** (not a bound) whose stream budgets are first order (issue 12).
+an **oracle** (not a bound) whose stream budgets are first order.
 
 The certified radius of ``taylor`` is limited by two kinds of slack: the stream
 budgets ``β`` (norm bounds, docs/taylor.md §8), and the per-unit relaxations
@@ -17,23 +17,31 @@ With ``--radius-json`` (the JSON of ``lipvit attack --radius`` on the same
 checkpoint and ``--n``), both radii are also compared with the attack radius,
 point by point (joined on the test-set index).
 
+The tables also go to ``--out``/taylor_ceiling.json.
+
 Usage::
 
-    python bench/taylor_ceiling.py --ckpt lip.pt --n 20 --radius-json radius.json
+    python bench/studies/taylor_ceiling.py --ckpt lip.pt --n 20 \\
+        --radius-json radius.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-from _points import float64_points
 from lipvit.analysis.pgd import pgd_deviation
 from lipvit.certify.taylor import certificate as taylor
 from lipvit.certify.taylor.forward import forward
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: helpers
+from _out import add_out, write_json  # noqa: E402
+from _points import float64_points  # noqa: E402
 
 
 @contextmanager
@@ -92,6 +100,7 @@ def main() -> None:
     parser.add_argument("--rtol", type=float, default=1e-2)
     parser.add_argument("--radius-json", help="lipvit attack --radius JSON")
     parser.add_argument("--pgd-steps", type=int, default=30)
+    add_out(parser, __file__)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, x, y, index = float64_points(args.ckpt, args.n)
@@ -113,19 +122,26 @@ def main() -> None:
     print(f"{args.ckpt}: n={len(y)}, rtol={args.rtol}")
     print("| radius | median | median / attack radius | CPU s/sample |")
     print("|---|---|---|---|")
+    record = {"ckpt": args.ckpt, "n": len(y), "rtol": args.rtol, "args": vars(args),
+              "radii": []}
     for name, r, t in rows:
-        ratio = "—"
+        ratio, of_attack = "—", None
         if attack is not None:
             ok = attack.isfinite() & (attack > 0)
-            ratio = f"{(r[ok] / attack[ok]).median().item():.3f}"
+            of_attack = (r[ok] / attack[ok]).median().item()
+            ratio = f"{of_attack:.3f}"
         print(f"| {name} | {r.median().item():.4g} | {ratio} | {t / len(y):.2f} |")
-    _budgets_at(model, x, tb, sound, args.pgd_steps)
+        record["radii"].append({"radius": name, "median": r.median().item(),
+                                "median_over_attack": of_attack,
+                                "cpu_s_per_sample": t / len(y)})
+    _budgets_at(model, x, tb, sound, args.pgd_steps, record)
+    write_json(args.out, __file__, record)
 
 
-def _budgets_at(model, x, tb, r, steps: int) -> None:
+def _budgets_at(model, x, tb, r, steps: int, record: dict) -> None:
     """Per stream state, medians over the certified points of the sound budget,
     the first-order move ``‖J_{m←x}‖`` and the largest move PGD finds, each
-    over ε = the point's certified radius."""
+    over ε = the point's certified radius (printed and put into ``record``)."""
     flips: list = []
     with counting_flips(flips):
         _, budgets, _ = tb.walk(r)
@@ -135,10 +151,14 @@ def _budgets_at(model, x, tb, r, steps: int) -> None:
         print(f"\nReLU units (of {units} per block) that can change sign at the "
               "certified radius, medians per block: "
               + " / ".join(f"{c[ok].median().item():.0f}" for c in flips))
+        record["relu_units_per_block"] = units
+        record["flippable_units_median"] = [c[ok].median().item() for c in flips]
     print(f"\nAt each point's certified radius ({int(ok.sum())} points), "
           "stream move / ε, medians:")
     print("| state | budget (sound) | first order ‖J‖ | PGD |")
     print("|---|---|---|---|")
+    record["certified_points"] = int(ok.sum())
+    record["stream_moves"] = []
     for m, b in enumerate(budgets):
         def state(u, m=m):
             return forward(model, u)[1].stream[m].flatten(1)
@@ -146,6 +166,9 @@ def _budgets_at(model, x, tb, r, steps: int) -> None:
         first = tb.jacobians.stream[ok, m].median().item()
         print(f"| s_{m} | {(b.all[ok] / r[ok]).median().item():.2f} "
               f"| {first:.2f} | {(found / r[ok]).median().item():.2f} |")
+        record["stream_moves"].append({
+            "state": f"s_{m}", "budget": (b.all[ok] / r[ok]).median().item(),
+            "first_order": first, "pgd": (found / r[ok]).median().item()})
 
 
 if __name__ == "__main__":

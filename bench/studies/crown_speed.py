@@ -2,13 +2,13 @@
 built once per run (:class:`lipvit.certify.crown.bounds.CrownModel`), each without and
 with ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0``, measured in the same run.
 
-    PYTHONPATH=. python bench/crown_speed.py --samples 4
+    PYTHONPATH=. python bench/studies/crown_speed.py --samples 4
 
 Process CPU time (``time.process_time``) per sample on 1 thread, the digits-tiny
 preset of the lipschitz family with random weights (CROWN's cost depends on the
 graph, not on the weights), over test digits. Each allocator setting runs in a
 child process (glibc reads the variable at start); ratios are against the
-first row.
+first row. The table also goes to ``--out``/crown_speed.json.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from lipvit.certify.crown import bounds as crown
@@ -26,6 +27,9 @@ from lipvit.certify.crown import bounds as crown
 import lipvit
 from lipvit.allocator import GUARD
 from lipvit.data import load_dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 
 def _child(samples: int) -> dict[str, float]:
@@ -51,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_out(parser, __file__)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.samples)))
@@ -71,9 +76,15 @@ def main() -> None:
     print(f"CROWN, digits-tiny lipschitz, {args.samples} samples, 1 thread, "
           "process CPU s/sample")
     print(f"{'allocator':<12} {'bounded model':<14} {'s/sample':>9} {'speed-up':>9}")
+    record = {"preset": "digits-tiny", "family": "lipschitz",
+              "samples": args.samples, "threads": 1, "rows": []}
     for label, times in rows.items():
         for mode, seconds in times.items():
             print(f"{label:<12} {mode:<14} {seconds:>9.3f} {base / seconds:>8.2f}x")
+            record["rows"].append({"allocator": label, "bounded_model": mode,
+                                   "cpu_s_per_sample": seconds,
+                                   "speed_up": base / seconds})
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,14 @@ absolute logit difference from transformers' own forward pass over 256 random
 images, next to the largest logit.
 
     pip install 'lipvit[hf]'
-    python bench/interop_equality.py
+    python bench/user/interop_equality.py
+
+The table also goes to ``--out``/interop_equality.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -22,17 +25,24 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _out
+sys.path.insert(0, str(ROOT / "tests"))  # test_interop's random models
 
+from _out import add_out, write_json  # noqa: E402
 from test_interop import hf_logits, images, random_hf_vit, timm_layout  # noqa: E402
 
 from lipvit.checkpoint import load_checkpoint  # noqa: E402
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_out(parser, __file__)
+    args = parser.parse_args()
     import safetensors.torch
 
     torch.set_num_threads(1)
+    rows = []
     with tempfile.TemporaryDirectory(prefix="lipvit-interop-") as tmp:
         root = Path(tmp)
         header = ("dtype", "importer", "max |logit diff|", "max |logit|")
@@ -56,6 +66,9 @@ def main() -> None:
                 diff = float((ours - theirs).abs().max())
                 top = float(theirs.abs().max())
                 print(f"{name:8}  {importer:12}  {diff:16.3e}  {top:11.3g}")
+                rows.append({"dtype": name, "importer": importer,
+                             "max_abs_logit_diff": diff, "max_abs_logit": top})
+    write_json(args.out, __file__, {"images": 256, "rows": rows})
 
 
 if __name__ == "__main__":

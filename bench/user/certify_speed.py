@@ -1,4 +1,4 @@
-"""Certification speed (issue 9): samples per second of every bound method.
+"""Certification speed: samples per second of every bound method, against CROWN.
 
 Measures ``lipvit.certify.lofast.network.network_bound`` + ``delta_out`` (what ``lipvit
 certify`` runs per batch) for ``lofast`` (sound), ``lofast-fast`` (estimate)
@@ -14,19 +14,23 @@ same run. Three tables:
 3. ζ tightness of the sound route: certified ζ against a lower estimate
    (its Ritz value) and, where ``N·D ≤ --dense-max``, dense ``eigvalsh``.
 
+The tables are also written, as numbers, to ``--out``/certify_speed.json.
+
 Usage::
 
-    python bench/certify_speed.py --threads 1                  # CPU
-    python bench/certify_speed.py --threads 1 --ckpt model.pt  # a trained model
-    python bench/certify_speed.py --device cuda --batches 1 64 256
-    python bench/certify_speed.py --quick                      # smoke test
+    python bench/user/certify_speed.py --threads 1                  # CPU
+    python bench/user/certify_speed.py --threads 1 --ckpt model.pt  # a trained model
+    python bench/user/certify_speed.py --device cuda --batches 1 64 256
+    python bench/user/certify_speed.py --quick                      # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from lipvit.certify.attention import attention_logits, value_output
@@ -35,6 +39,9 @@ from lipvit.certify.lofast.operators import sensitivity_gram
 from lipvit.certify.lofast.structured import zeta_certificate
 
 from lipvit import ViT, preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 METHODS = ("lofast", "lofast-fast", "specformer")
 
@@ -73,7 +80,8 @@ def images(model: ViT, B: int, device) -> torch.Tensor:
     return x.to(device)
 
 
-def table_batch(model, batches, methods, device) -> list[str]:
+def table_batch(model, batches, methods, device,
+                records: list[dict] | None = None) -> list[str]:
     rows = ["| method | batch | s/sample | samples/s | × lofast-fast | × batch 1 "
             "| × crown |", "|---|---|---|---|---|---|---|"]
     per_sample(model, images(model, 1, device), "lofast", device)  # warm-up
@@ -89,10 +97,17 @@ def table_batch(model, batches, methods, device) -> list[str]:
             rows.append(f"| {m} | {B} | {s:.3f} | {1 / s:.2f} "
                         f"| {s / t['lofast-fast', B]:.2f} | {s / t[m, batches[0]]:.2f} "
                         f"| {crown} |")
+            if records is not None:
+                records.append({
+                    "method": m, "batch": B, "s_per_sample": s,
+                    "samples_per_s": 1 / s, "over_lofast_fast": s / t["lofast-fast", B],
+                    "over_batch_1": s / t[m, batches[0]],
+                    "crown_over": t["crown", B] / s if ("crown", B) in t else None})
     return rows
 
 
-def table_shapes(shapes, B, methods, device) -> list[str]:
+def table_shapes(shapes, B, methods, device,
+                 records: list[dict] | None = None) -> list[str]:
     rows = ["| N | D | depth | method | s/sample | × lofast-fast |",
             "|---|---|---|---|---|---|"]
     for image, D, depth in shapes:
@@ -104,11 +119,16 @@ def table_shapes(shapes, B, methods, device) -> list[str]:
         for m in methods:
             rows.append(f"| {N} | {D} | {depth} | {m} | {t[m]:.3f} "
                         f"| {t[m] / t['lofast-fast']:.2f} |")
+            if records is not None:
+                records.append({"N": N, "D": D, "depth": depth, "method": m,
+                                "s_per_sample": t[m],
+                                "over_lofast_fast": t[m] / t["lofast-fast"]})
     return rows
 
 
 @torch.no_grad()
-def table_zeta(model, B, dense_max, device) -> list[str]:
+def table_zeta(model, B, dense_max, device,
+               records: list[dict] | None = None) -> list[str]:
     rows = ["| layer | H | certified ζ | (cert − Ritz)/Ritz | (cert − dense)/dense |",
             "|---|---|---|---|---|"]
     X = model.embed(images(model, B, device))
@@ -119,13 +139,18 @@ def table_zeta(model, B, dense_max, device) -> list[str]:
         for residual in (False, True):
             c = zeta_certificate(P, W_v, W_o, residual)
             gap = ((c.upper - c.ritz) / c.ritz).max().item()
-            dense = "–"
+            dense, dense_gap = "–", None
             if Xa.shape[1] * Xa.shape[2] <= dense_max:
                 G = sensitivity_gram(P, value_output(W_v, W_o), residual)
                 ex = torch.linalg.eigvalsh(G)[..., -1].sqrt()
-                dense = f"{((c.upper - ex) / ex).max().item():.1e}"
+                dense_gap = ((c.upper - ex) / ex).max().item()
+                dense = f"{dense_gap:.1e}"
             rows.append(f"| {k} | {'I' if residual else '0'} | "
                         f"{c.upper.max().item():.6g} | {gap:.1e} | {dense} |")
+            if records is not None:
+                records.append({"layer": k, "H": "I" if residual else "0",
+                                "certified_zeta": c.upper.max().item(),
+                                "gap_to_ritz": gap, "gap_to_dense": dense_gap})
         X = block(X)
     return rows
 
@@ -141,6 +166,7 @@ def main() -> None:
     p.add_argument("--dense-max", type=int, default=2048)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip", nargs="*", default=[], choices=["batch", "shapes", "zeta"])
+    add_out(p, __file__)
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -159,22 +185,29 @@ def main() -> None:
         args.batches, args.batch = [1, 2], 1
         shapes = [(8, 32, 1), (16, 32, 1)]
     clock = "process CPU time" if device.type == "cpu" else "synchronised wall time"
+    record = {"model": name, "device": str(device), "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "clock": clock,
+              "load_average_start": os.getloadavg()[0], "args": vars(args)}
     print(f"# certify_speed: {name}; device {device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {clock}; load average "
-          f"{os.getloadavg()[0]:.1f}\n")
+          f"{record['load_average_start']:.1f}\n")
     sections = {
         "batch": ("per-sample time against the batch size",
-                  lambda: table_batch(model, args.batches, methods, device)),
+                  lambda rec: table_batch(model, args.batches, methods, device, rec)),
         "shapes": (f"against N, D and depth (random lipschitz models, batch "
-                   f"{args.batch})", lambda: table_shapes(shapes, args.batch, methods,
-                                                           device)),
+                   f"{args.batch})", lambda rec: table_shapes(shapes, args.batch,
+                                                               methods, device, rec)),
         "zeta": ("ζ: certified value against its Ritz value (≤ ζ) and dense eigvalsh",
-                 lambda: table_zeta(model, 2, args.dense_max, device)),
+                 lambda rec: table_zeta(model, 2, args.dense_max, device, rec)),
     }
     for key, (title, table) in sections.items():
         if key not in args.skip:
-            print(f"## {title}\n\n" + "\n".join(table()) + "\n", flush=True)
-    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
+            record[key] = []
+            print(f"## {title}\n\n" + "\n".join(table(record[key])) + "\n",
+                  flush=True)
+    record["load_average_end"] = os.getloadavg()[0]
+    print(f"\nload average at end {record['load_average_end']:.1f}")
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

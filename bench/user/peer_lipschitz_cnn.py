@@ -1,6 +1,6 @@
 """lipvit's certified ViTs beside deel-torchlip's 1-Lipschitz CNN on Fashion-MNIST.
 
-What a user could pick instead of lipvit (issues 44, 55): deel-torchlip's
+What a user could pick instead of lipvit: deel-torchlip's
 Fashion-MNIST 1-Lipschitz CNN (SpectralConv2d 1 → 16 → 32 with "same" 3×3
 kernels, GroupSort2, ScaledL2NormPool2d 2×2 after each; Flatten,
 SpectralLinear 1568 → 64, GroupSort2, a last linear layer 64 → 10), pixels in
@@ -34,8 +34,10 @@ table:
   attack_radius.attack_radius` with PGD-ℓ2, APGD-T and CW);
 - training seconds.
 
-The figure draws certified accuracy against ε for every certificate, with the
-attacks' robust accuracy as upper bounds, and names the machine and date.
+The figure (``--out``/peer-fmnist.png) draws certified accuracy against ε for
+every certificate, with the attacks' robust accuracy as upper bounds, and
+names the machine and date; the table's numbers go to
+``--out``/peer_lipschitz_cnn.json.
 
 The peer is optional; install it with::
 
@@ -44,18 +46,16 @@ The peer is optional; install it with::
 Usage (Fashion-MNIST from ``apt-get install dataset-fashion-mnist``)::
 
     lipvit train --dataset fashion-mnist --family lipschitz --out cait.pt
-    lipvit train --dataset fashion-mnist --family lipschitz --preset fmnist-hybrid \
+    lipvit train --dataset fashion-mnist --family lipschitz --preset fmnist-hybrid \\
         --out hybrid.pt
-    python bench/peer_lipschitz_cnn.py --ckpt cait.pt --ckpt hybrid.pt \
-        --peer-dir peers --n 300 --json docs/figures/peer-fmnist.json \
-        --out docs/figures/peer-fmnist.png
+    python bench/user/peer_lipschitz_cnn.py --ckpt cait.pt --ckpt hybrid.pt \\
+        --peer-dir peers --n 300 --out docs/figures
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -76,6 +76,12 @@ from lipvit.commands import _common as C
 from lipvit.commands.certify import default_method
 from lipvit.data import load_dataset
 from lipvit.spectral import conv_operator_norm, spectral_norm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
+
+FIGURE = "peer-fmnist.png"
+"""The figure's file name in ``--out``."""
 
 INSTALL = "python -m pip install --no-deps deel-torchlip==1.0.5"
 
@@ -242,8 +248,7 @@ def main() -> None:
     p.add_argument("--attack-n", type=int, default=1000)
     p.add_argument("--attack-steps", type=int, default=40)
     p.add_argument("--radius-n", type=int, default=100)
-    p.add_argument("--json", type=Path)
-    p.add_argument("--out", type=Path, help="figure (PNG)")
+    add_out(p, __file__)
     args = p.parse_args()
     eps_list = [float(e) for e in args.eps.split(",")]
 
@@ -308,10 +313,8 @@ def main() -> None:
                  str(sum(res["broken_certified"].values())),
                  f"{res['train_seconds']:.0f}" if res.get("train_seconds") else "–"]
         print(" | ".join(cells))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str))
-    if args.out:
-        plot(results, radii, eps_list, args.out)
+    write_json(args.out, __file__, results)
+    plot(results, radii, eps_list, args.out / FIGURE)
 
 
 def plot(results: dict, radii: dict[str, Tensor], eps_list: list[float],

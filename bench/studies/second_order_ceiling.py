@@ -17,9 +17,12 @@ through the network.
 This needs the full ``n × n`` Hessians, so it is a measurement, not a
 certificate (seconds per point at 784 pixels on one CPU thread).
 
+The tables also go to ``--out``/second_order_ceiling.json.
+
 Usage::
 
-    python bench/second_order_ceiling.py --ckpt runs/fmnist/models/msvp.pt --n 10
+    python bench/studies/second_order_ceiling.py --ckpt runs/fmnist/models/msvp.pt \\
+        --n 10
 """
 
 from __future__ import annotations
@@ -29,14 +32,19 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from _points import float64_points, largest
 from lipvit.analysis.pgd import pgd_taylor_rest
 from lipvit.certify.taylor.jets import QuadraticForm
 from torch.func import grad, jacfwd, jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: helpers
+from _out import add_out, write_json  # noqa: E402
+from _points import float64_points, largest  # noqa: E402
 
 
 def streams(model, z: torch.Tensor, shape: torch.Size) -> list[torch.Tensor]:
@@ -72,6 +80,7 @@ def main() -> None:
                    "same points: the ceilings are also given as fractions of the "
                    "attack radii")
     p.add_argument("--threads", type=int, default=1)
+    add_out(p, __file__)
     args = p.parse_args()
     attack = {}
     if args.attack:
@@ -85,6 +94,9 @@ def main() -> None:
           f"{torch.__version__}, {args.threads} thread(s), {time.strftime('%Y-%m-%d')}")
     print("point  m      |g|     m/|g|    |H|      eps      min q       PGD rest")
     ceilings, first, of_attack, curv = [], [], [], {}
+    record = {"machine": f"{platform.machine()} {platform.processor() or ''}",
+              "torch": torch.__version__, "date": time.strftime('%Y-%m-%d'),
+              "args": vars(args), "points": [], "misclassified": []}
     with sdpa_kernel(SDPBackend.MATH):
         for b in range(len(x)):
             xb, yb, z0 = x[b], int(y[b]), x[b].flatten()
@@ -94,6 +106,7 @@ def main() -> None:
             m_all[yb] = math.inf
             if (m_all <= 0).any():
                 print(f"{index[b]:5d}  misclassified")
+                record["misclassified"].append(index[b])
                 continue
             k = int(m_all.argmin())
 
@@ -113,11 +126,15 @@ def main() -> None:
                 return pgd_taylor_rest(lambda z: -margin(z), z0, -g, -H, e,
                                        steps=40, restarts=2, seed=k)
 
+            point = {"index": index[b], "margin": m, "grad_norm": gn,
+                     "first_order_radius": m / gn, "hessian_norm": hn, "eps": []}
             for i, e in enumerate(args.eps):
                 q = float(form.minimum(torch.tensor(e, dtype=torch.float64)))
                 head = (f"{index[b]:5d}  {m:<6.3f} {gn:<7.3f} {m / gn:<8.4f} {hn:<8.2f}"
                         if i == 0 else " " * 39)
-                print(f"{head} {e:<8.4f} {q:<11.4e} {rest(e):.3e}")
+                found = rest(e)
+                print(f"{head} {e:<8.4f} {q:<11.4e} {found:.3e}")
+                point["eps"].append({"eps": e, "min_q": q, "pgd_rest": found})
             c = ceiling(m, form, rest, 1e-4, m / gn)
             ceilings.append(c / (m / gn))
             first.append(m / gn)
@@ -126,6 +143,9 @@ def main() -> None:
                 of_attack.append(c / a)
             print(f"{'':39} ceiling {c:.4f} = {c / (m / gn):.2f} × m/|g|"
                   + (f" = {c / a:.2f} × the attack radius {a:.4f}" if a else ""))
+            point.update(ceiling=c, ceiling_over_first_order=c / (m / gn),
+                         attack_radius=a, ceiling_over_attack=c / a if a else None)
+            record["points"].append(point)
             for s in range(2 * len(model.blocks)):
                 def cls(z: torch.Tensor, s=s, shape=xb.shape) -> torch.Tensor:
                     return streams(model, z, shape)[s][0]  # (D,): the class token
@@ -139,6 +159,7 @@ def main() -> None:
     if not first:
         print("\nno correctly classified point among the chosen ones: nothing to "
               "summarise")
+        write_json(args.out, __file__, record)
         return
     print(f"\nmedian first-order radius m/|g| {statistics.median(first):.4f}; "
           f"median ceiling / (m/|g|) {statistics.median(ceilings):.2f}"
@@ -147,11 +168,24 @@ def main() -> None:
     print("exact Hessian norms of class-token stream entries after each sub-block"
           " (largest-gradient entries): median, largest; Frobenius / spectral norm:"
           " median, largest")
+    record["summary"] = {
+        "median_first_order_radius": statistics.median(first),
+        "median_ceiling_over_first_order": statistics.median(ceilings),
+        "median_ceiling_over_attack": (statistics.median(of_attack) if of_attack
+                                       else None)}
+    record["curvature"] = []
     for s, got in curv.items():
         lams, ratios = zip(*got, strict=True)
         print(f"  block {s // 2} {'attention' if s % 2 == 0 else 'MLP':9s} "
               f"{statistics.median(lams):8.2f} {max(lams):8.2f}   "
               f"{statistics.median(ratios):5.2f} {max(ratios):5.2f}")
+        record["curvature"].append({
+            "block": s // 2, "sub_block": "attention" if s % 2 == 0 else "MLP",
+            "hessian_norm_median": statistics.median(lams),
+            "hessian_norm_max": max(lams),
+            "frobenius_over_spectral_median": statistics.median(ratios),
+            "frobenius_over_spectral_max": max(ratios)})
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

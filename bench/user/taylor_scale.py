@@ -1,4 +1,4 @@
-"""`taylor` and `lofast` at scale (issue 20): seconds, peak memory and work per sample.
+"""`taylor` and `lofast` at scale: seconds, peak memory and work per sample.
 
 For each preset (random weights, seeded; ``digits-small``, ``fmnist-3x64``,
 ``fmnist-p7-3x128``, ``cifar-lofast-3x128``, ``cifar-lofast-6x384``) and family,
@@ -26,23 +26,27 @@ functions by cumulative time (``cProfile``, one more certificate).
 ``--host-linalg-max K``: on CUDA, the largest matrix side whose dense eigen-
 and singular-value problems run on the host
 (:data:`lipvit.spectral.HOST_LINALG_MAX`; ``0``: all on the device, the
-baseline to compare with).
+baseline to compare with). What it prints also goes to
+``--out``/taylor_scale.json (the tables as numbers; a profile's tables as text).
 
 Usage::
 
-    python bench/taylor_scale.py --threads 1
-    python bench/taylor_scale.py --threads 1 --presets cifar-lofast-3x128 --batch 1 8
-    python bench/taylor_scale.py --threads 1 --ckpt fmnist_lip.pt --n 20
-    python bench/taylor_scale.py --tightness --presets digits-small fmnist-3x64
-    python bench/taylor_scale.py --device cuda
-    python bench/taylor_scale.py --device cuda --profile cifar-lofast-3x128 lipschitz
-    python bench/taylor_scale.py --device cuda --host-linalg-max 0   # cuSOLVER baseline
+    python bench/user/taylor_scale.py --threads 1
+    python bench/user/taylor_scale.py --threads 1 --presets cifar-lofast-3x128 \\
+        --batch 1 8
+    python bench/user/taylor_scale.py --threads 1 --ckpt fmnist_lip.pt --n 20
+    python bench/user/taylor_scale.py --tightness --presets digits-small fmnist-3x64
+    python bench/user/taylor_scale.py --device cuda
+    python bench/user/taylor_scale.py --device cuda --profile cifar-lofast-3x128 \\
+        lipschitz
+    python bench/user/taylor_scale.py --device cuda --host-linalg-max 0  # cuSOLVER
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import io
 import json
 import platform
 import pstats
@@ -51,6 +55,7 @@ import subprocess
 import sys
 import time
 from datetime import date
+from pathlib import Path
 
 import torch
 from lipvit.certify.lofast.network import network_bound
@@ -58,6 +63,9 @@ from lipvit.certify.taylor.certificate import taylor_bound
 from torch.utils.flop_counter import FlopCounterMode
 
 from lipvit import ViT, preset, spectral
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: helpers
+from _out import add_out, write_json  # noqa: E402
 
 PRESETS = ("digits-small", "fmnist-3x64", "fmnist-p7-3x128", "cifar-lofast-3x128",
            "cifar-lofast-6x384")
@@ -127,8 +135,9 @@ SYNCS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
          "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
-def profile(name: str, family: str, device: str, rows: int = 20) -> None:
-    """Print where one ``taylor`` certificate (batch 1) spends its time."""
+def profile(name: str, family: str, device: str, rows: int = 20) -> dict:
+    """Print where one ``taylor`` certificate (batch 1) spends its time; return
+    the same (the tables as text)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -145,31 +154,45 @@ def profile(name: str, family: str, device: str, rows: int = 20) -> None:
     counts = {e.key: e.count for e in events if e.key in SYNCS}
     print(f"# profile: {name} {family}, {device}, {seconds:.2f} s under the profiler; "
           f"host synchronisations: {counts}")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+    operators = events.table(sort_by="self_cpu_time_total", row_limit=rows)
+    print(operators)
     by_function = cProfile.Profile()  # one more certificate: lipvit's own functions
     by_function.runcall(lambda: taylor_bound(model, x, y).margin_drop(0.01))
     print("# lipvit functions by cumulative time (cProfile, one more certificate)")
-    pstats.Stats(by_function).sort_stats("cumulative").print_stats(
+    text = io.StringIO()
+    pstats.Stats(by_function, stream=text).sort_stats("cumulative").print_stats(
         r"lipvit|certify/", 2 * rows)
+    print(text.getvalue(), end="")
+    return {"profile": {"preset": name, "family": family, "device": device,
+                        "seconds": seconds, "host_synchronisations": counts,
+                        "operators_by_self_time": operators,
+                        "functions_by_cumulative_time": text.getvalue()}}
 
 
-def tightness(model, x, label: str) -> str:
+def tightness(model, x, label: str, records: list[dict] | None = None) -> str:
     """The patch-block bounds of the whole-matrix image Jacobian norms over the
-    exact ones (``n × n`` Gram matrices), ranges over samples and states."""
+    exact ones (``n × n`` Gram matrices), ranges over samples and states (their
+    numbers appended to ``records`` if given)."""
     from lipvit.certify.taylor.jacobian_norms import jacobian_norms
 
     n = x[0].numel()
     exact = jacobian_norms(model, x, exact_max=n, max_memory=64 * 2**30)
     block = jacobian_norms(model, x, exact_max=0)
     s, a = block.stream / exact.stream, block.attn_in / exact.attn_in
+    if records is not None:
+        records.append({
+            "model": label, "samples": len(x),
+            "stream": {"min": s.min(), "max": s.max(), "median": s.median()},
+            "attention_input": {"min": a.min(), "max": a.max(),
+                                "median": a.median()}})
     return (f"| {label} | {len(x)} | {s.min():.3f}–{s.max():.3f} "
             f"(median {s.median():.3f}) | {a.min():.3f}–{a.max():.3f} "
             f"(median {a.median():.3f}) |")
 
 
-def radius_ratio(path: str, n: int) -> str:
-    """Median taylor / lofast certified radius on a checkpoint's test points."""
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+def radius_ratio(path: str, n: int, records: list[dict] | None = None) -> str:
+    """Median taylor / lofast certified radius on a checkpoint's test points
+    (the numbers appended to ``records`` if given)."""
     from _points import float64_points
     from lipvit.certify.certification import certified_radius, margin
 
@@ -182,6 +205,12 @@ def radius_ratio(path: str, n: int) -> str:
     r_lofast = certified_radius(margin(nb.logits, y), nb.delta_out, rtol=1e-3)
     ok = (r_lofast > 0) & (r_taylor > 0)
     ratio = (r_taylor[ok] / r_lofast[ok]).median().item() if ok.any() else float("nan")
+    if records is not None:
+        records.append({
+            "ckpt": path, "points": len(x), "both_positive": int(ok.sum()),
+            "median_radius_taylor": r_taylor.median(),
+            "median_radius_lofast": r_lofast.median(), "median_ratio": ratio,
+            "taylor_cpu_s_per_sample": t_taylor})
     return (f"{path}: {len(x)} points, {int(ok.sum())} with both radii > 0; median "
             f"radius taylor {r_taylor.median():.4g}, lofast {r_lofast.median():.4g}; "
             f"median per-point ratio {ratio:.3g}; taylor with radius search "
@@ -207,11 +236,13 @@ def main() -> None:
                         help="profile one taylor certificate instead")
     parser.add_argument("--host-linalg-max", type=int, default=spectral.HOST_LINALG_MAX,
                         help="CUDA: largest matrix side solved on the host (0: none)")
+    add_out(parser, __file__)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     spectral.HOST_LINALG_MAX = args.host_linalg_max
     if args.profile:
-        profile(*args.profile, args.device)
+        write_json(args.out, __file__,
+                   {"args": vars(args), **profile(*args.profile, args.device)})
         return
     if args.one:
         name, family, method, batch = args.one
@@ -219,6 +250,10 @@ def main() -> None:
                              method == "taylor" and not args.no_flops)))
         return
     cpu = platform.processor() or platform.machine()
+    record: dict = {"date": str(date.today()), "cpu": cpu, "device": args.device,
+                    "threads": args.threads, "torch": torch.__version__,
+                    "host_linalg_max": args.host_linalg_max, "args": vars(args),
+                    "rows": []}
     print(f"# taylor_scale, {date.today()}, {cpu}, {args.device}, "
           f"{args.threads} thread(s), torch {torch.__version__}"
           + (f", host linalg ≤ {args.host_linalg_max}" if args.device != "cpu" else ""))
@@ -239,6 +274,10 @@ def main() -> None:
                     if done.returncode:
                         print(f"| {name} | {family} | failed: "
                               f"{done.stderr.strip().splitlines()[-1]} |")
+                        record["rows"].append({
+                            "preset": name, "family": family, "batch": batch,
+                            "method": method,
+                            "failed": done.stderr.strip().splitlines()[-1]})
                         break
                     rows[method] = json.loads(done.stdout.strip().splitlines()[-1])
                 else:
@@ -250,7 +289,20 @@ def main() -> None:
                           f"{ta['width']} | {batch} | {lo['s_per_sample']:.3g} | "
                           f"{lo['peak_gib']:.2f} | {ta['s_per_sample']:.3g} | "
                           f"{ta['peak_gib']:.2f} | {work} |", flush=True)
+                    record["rows"].append({
+                        "preset": name, "family": family, "batch": batch,
+                        "n": ta["n"], "tokens": ta["tokens"], "width": ta["width"],
+                        "lofast_s_per_sample": lo["s_per_sample"],
+                        "lofast_peak_gib": lo["peak_gib"],
+                        "taylor_s_per_sample": ta["s_per_sample"],
+                        "taylor_peak_gib": ta["peak_gib"],
+                        "taylor_gflop": ta.get("taylor_gflop"),
+                        "forward_gflop": ta.get("forward_gflop"),
+                        "taylor_work_forward_passes": (
+                            ta["taylor_gflop"] / ta["forward_gflop"]
+                            if "taylor_gflop" in ta else None)})
     if args.tightness:
+        record["tightness"] = []
         print("| model | samples | stream: block / exact | attention input: "
               "block / exact |\n|---|---|---|---|")
         for name in args.presets:
@@ -262,15 +314,18 @@ def main() -> None:
                 model = ViT(cfg).double().eval()
                 x = torch.rand(4, cfg.in_chans, cfg.image_size, cfg.image_size,
                                dtype=torch.float64)
-                print(tightness(model, x, f"{name} {family} (random)"), flush=True)
+                print(tightness(model, x, f"{name} {family} (random)",
+                                record["tightness"]), flush=True)
         for path in args.ckpt:
-            sys.path.insert(0, __file__.rsplit("/", 1)[0])
             from _points import float64_points
 
             model, x, _, _ = float64_points(path, min(args.n, 8))
-            print(tightness(model, x, path), flush=True)
+            print(tightness(model, x, path, record["tightness"]), flush=True)
+    if args.ckpt:
+        record["radius_ratio"] = []
     for path in args.ckpt:
-        print(radius_ratio(path, args.n))
+        print(radius_ratio(path, args.n, record.get("radius_ratio")))
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Speed of the bound routines (issue 3), ratios measured in one run.
+"""Speed of the bound routines against their dense or looped baselines, ratios
+measured in one run.
 
 Three measurements, each printed as a markdown table:
 
@@ -23,12 +24,14 @@ Timing: one untimed warm-up call per routine, then ``--repeats`` rounds that
 call every routine of a comparison in turn (interleaved, order rotated per
 round); the table shows medians. Ratios are of medians from the same run.
 
+The tables are also written, as numbers, to ``--out``/bounds_speed.json.
+
 Usage::
 
-    python bench/bounds_speed.py                 # CPU, a few minutes on 2 cores
-    python bench/bounds_speed.py --threads 1     # stable figures on a shared CPU
-    python bench/bounds_speed.py --device cuda   # where a GPU is available
-    python bench/bounds_speed.py --quick         # smaller sizes, for a smoke test
+    python bench/user/bounds_speed.py               # CPU, a few minutes on 2 cores
+    python bench/user/bounds_speed.py --threads 1   # stable figures on a shared CPU
+    python bench/user/bounds_speed.py --device cuda # where a GPU is available
+    python bench/user/bounds_speed.py --quick       # smaller sizes, for a smoke test
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +55,9 @@ from torch import Tensor
 
 from lipvit import ViT, ViTConfig, preset
 from lipvit.layers import layer_project
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -105,7 +113,8 @@ def _zeta_svd(X, W_q, W_k, W_v, W_o) -> Tensor:
     return torch.linalg.matrix_norm(K, ord=2)  # (B,)
 
 
-def bench_zeta(sizes, repeats: int, dtype, device) -> list[str]:
+def bench_zeta(sizes, repeats: int, dtype, device,
+               records: list[dict] | None = None) -> list[str]:
     rows = ["| N | D | H | N·D | matrix-free (s) | exact=True (s) | dense SVD (s) "
             "| exact/mf | SVD/mf | mf below SVD | exact above SVD |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -121,6 +130,13 @@ def bench_zeta(sizes, repeats: int, dtype, device) -> list[str]:
         rows.append(f"| {N} | {D} | {H} | {N * D} | {t['mf']:.4f} | {t['exact']:.4f} "
                     f"| {t['svd']:.4f} | {t['exact'] / t['mf']:.1f} "
                     f"| {t['svd'] / t['mf']:.1f} | {gap:.1e} | {excess:.1e} |")
+        if records is not None:
+            records.append({"N": N, "D": D, "H": H, "ND": N * D,
+                            "matrix_free_s": t["mf"], "exact_s": t["exact"],
+                            "dense_svd_s": t["svd"],
+                            "exact_over_mf": t["exact"] / t["mf"],
+                            "svd_over_mf": t["svd"] / t["mf"],
+                            "mf_below_svd": gap, "exact_above_svd": excess})
     return rows
 
 
@@ -139,7 +155,8 @@ def l1_linf_loop(fn: Callable[[Tensor], Tensor], X: Tensor) -> Tensor:
     return (col_sums.amax(-1) * row_max).sqrt()
 
 
-def bench_jacobian(shapes, B: int, repeats: int, dtype, device) -> list[str]:
+def bench_jacobian(shapes, B: int, repeats: int, dtype, device,
+                   records: list[dict] | None = None) -> list[str]:
     rows = ["| N | D | rows per sample | batch | vmapped chunks (s) "
             "| per-entry loop (s) | speed-up |", "|---|---|---|---|---|---|---|"]
     for image_size, D in shapes:
@@ -155,11 +172,16 @@ def bench_jacobian(shapes, B: int, repeats: int, dtype, device) -> list[str]:
         assert torch.allclose(out["fast"], out["loop"], rtol=tol), "l1/linf mismatch"
         rows.append(f"| {N} | {D} | {N * D} | {B} | {t['fast']:.3f} | {t['loop']:.3f} "
                     f"| {t['loop'] / t['fast']:.1f} |")
+        if records is not None:
+            records.append({"N": N, "D": D, "rows_per_sample": N * D, "batch": B,
+                            "vmapped_s": t["fast"], "loop_s": t["loop"],
+                            "speed_up": t["loop"] / t["fast"]})
     return rows
 
 
 def bench_network(B_exact: int, B_fast: int, repeats: int, fast_budgets, dtype,
-                  device, eps: float = 0.01) -> list[str]:
+                  device, eps: float = 0.01,
+                  records: list[dict] | None = None) -> list[str]:
     torch.manual_seed(0)
     cfg = preset("cifar-lofast-3x128", family="lipschitz", mean=(0.5,) * 3,
                  std=(0.25,) * 3)
@@ -201,6 +223,11 @@ def bench_network(B_exact: int, B_fast: int, repeats: int, fast_budgets, dtype,
         gap = ((ref[:, :m] - out[name][:, :m]) / ref[:, :m]).abs().max()
         rows.append(f"| {labels[name]} | {per:.3f} | {per / 0.055:.2f}x "
                     f"| {gap.item():.1e} |")
+        if records is not None:
+            records.append({"route": name, "batch": n, "N": N, "D": D, "H": H,
+                            "eps": eps, "s_per_sample": per,
+                            "vs_paper_0.055": per / 0.055,
+                            "max_rel_gap_to_exact": gap.item()})
     return rows
 
 
@@ -217,6 +244,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["zeta", "jacobian", "network"])
+    add_out(p, __file__)
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -231,21 +259,32 @@ def main() -> None:
         jac_shapes = [(6, 16), (8, 32)]
         net = dict(B_exact=args.batch_exact, B_fast=args.batch_fast, repeats=1,
                    fast_budgets=[(1000, 1e-9), (100, 1e-6)])
+    record: dict[str, Any] = {
+        "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "load_average_start": os.getloadavg()[0], "args": vars(args)}
     print(f"# bounds_speed: device {device}, {dtype}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} CPU threads, {args.repeats} interleaved repeats "
-          f"(medians); load average at start {os.getloadavg()[0]:.1f}\n")
+          f"(medians); load average at start {record['load_average_start']:.1f}\n")
     if "zeta" not in args.skip:
         print("## ζ: matrix-free estimate vs exact routes (batch 1)\n")
-        print("\n".join(bench_zeta(zeta_sizes, args.repeats, dtype, device)), "\n")
+        record["zeta"] = []
+        print("\n".join(bench_zeta(zeta_sizes, args.repeats, dtype, device,
+                                   record["zeta"])), "\n")
     if "jacobian" not in args.skip:
         print("## sqrt(‖J‖_1‖J‖_∞) of a standard ViT block: vmapped rows vs "
               "per-entry loop\n")
-        print("\n".join(bench_jacobian(jac_shapes, 2, args.repeats, dtype, device)),
-              "\n")
+        record["jacobian"] = []
+        print("\n".join(bench_jacobian(jac_shapes, 2, args.repeats, dtype, device,
+                                       record["jacobian"])), "\n")
     if "network" not in args.skip:
         print("## lofast_bound per sample, LoFAST 3-layer 128-wide size\n")
-        print("\n".join(bench_network(dtype=dtype, device=device, **net)))
-    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
+        record["network"] = []
+        print("\n".join(bench_network(dtype=dtype, device=device, **net,
+                                      records=record["network"])))
+    record["load_average_end"] = os.getloadavg()[0]
+    print(f"\nload average at end {record['load_average_end']:.1f}")
+    write_json(args.out, __file__, record)
 
 
 if __name__ == "__main__":

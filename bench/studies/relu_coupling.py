@@ -31,23 +31,30 @@ and three charges for the ReLU units:
 
 ``J`` is formed (``jacfwd``, units × image): small images only.
 
+The table also goes to ``--out``/relu_coupling.json.
+
 Usage::
 
-    python bench/relu_coupling.py --ckpt lipschitz.pt --n 100 --index 4133 4039 \\
-        --eps 0.2 0.25
+    python bench/studies/relu_coupling.py --ckpt lipschitz.pt --n 100 \\
+        --index 4133 4039 --eps 0.2 0.25
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
-from _points import float64_points
 from lipvit.certify.taylor.certificate import taylor_bound
 from lipvit.certify.taylor.forward import forward
 from lipvit.certify.taylor.sites import site_gradients
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: helpers
+from _out import add_out, write_json  # noqa: E402
+from _points import float64_points  # noqa: E402
 
 H_SCALES = (0.0, 0.25, 0.5, 1.0)
 """``h_i = max(a_i, κ·reach_i)`` for these ``κ`` (``κ = 0``: ``h = a``)."""
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--index", type=int, nargs="*", default=None,
                         help="test-set indices among the --n points (default: all)")
     parser.add_argument("--eps", type=float, nargs="+", default=[0.1, 0.2])
+    add_out(parser, __file__)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, x, y, index = float64_points(args.ckpt, args.n)
@@ -103,6 +111,8 @@ def main() -> None:
     print("| index | ε | margin | drop bound | first order | other sites "
           "| ReLU, certificate | quad | quad, e = 0 (not a bound) |")
     print("|---|---|---|---|---|---|---|---|---|")
+    record = {"ckpt": args.ckpt, "points": len(y), "node": platform.node(),
+              "date": time.strftime('%Y-%m-%d'), "args": vars(args), "rows": []}
 
     def pre_activations(image: torch.Tensor) -> torch.Tensor:
         _, rec = forward(model, image[None])
@@ -112,13 +122,15 @@ def main() -> None:
         J = torch.func.jacfwd(pre_activations)(x[b]).reshape(-1, x[b].numel())
         J = J.detach()  # (units, n): ∇_x z_i per row
         for eps in args.eps:
-            _row(tb, grads, J, b, index[b], int(y[b]), eps, K)
+            record["rows"].append(_row(tb, grads, J, b, index[b], int(y[b]), eps, K))
+    write_json(args.out, __file__, record)
 
 
 @torch.no_grad()
 def _row(tb, grads, J: torch.Tensor, b: int, index: int, label: int, eps: float,
-         K: int) -> None:
-    """Print the table's row of point ``b`` at ``eps`` (module docstring)."""
+         K: int) -> dict:
+    """Print the table's row of point ``b`` at ``eps`` (module docstring) and
+    return its numbers."""
     e = torch.full((len(tb.margins),), eps, dtype=torch.float64)
     drop = tb.margin_drop(e)[b]
     sites, _, _ = tb.walk(e)
@@ -146,6 +158,9 @@ def _row(tb, grads, J: torch.Tensor, b: int, index: int, label: int, eps: float,
     m, d, f, r, ch, q, o = max(rows, key=lambda row: row[1] / row[0])
     print(f"| {index} | {eps:g} | {m:.4f} | {d:.4f} | {f:.4f} | {r:.4f} "
           f"| {ch:.4f} | {q:.4f} | {o:.4f} |", flush=True)
+    return {"index": index, "eps": eps, "margin": m, "drop_bound": d,
+            "first_order": f, "other_sites": r, "relu_certificate": ch,
+            "quad": q, "quad_e0_not_a_bound": o}
 
 if __name__ == "__main__":
     main()

@@ -2,8 +2,8 @@
 
 Trains CaiT variants (``lipvit.cait``) on the first ``--n-train`` Fashion-MNIST
 training images for ``--epochs`` with ``lipvit.train.train`` (the default
-recipe: certified training for ``ball`` at ``cert_eps``, issue 55), each a
-row of ``--variants``, then measures on the first ``--n-test`` test images:
+recipe: certified training for ``ball`` at ``cert_eps``), each a row of
+``--variants``, then measures on the first ``--n-test`` test images:
 
 - clean accuracy, with every attention term removed and with only the
   self-attention removed (:func:`lipvit.ablate_attention`);
@@ -21,17 +21,19 @@ A variant is ``name=config overrides;train overrides`` with Python keyword
 syntax, e.g. ``content2=cls_content=2.0;`` (class attention's content
 logits held at norm 2) or ``eps25=;cert_eps=0.25``.
 
+The models go to ``--models`` (default ``--out``/models; a model already
+there is not retrained), the measurements to ``--out``/cait_sweep.json.
+
 Usage::
 
-    python bench/cait_sweep.py --n-train 20000 --epochs 4 --n-test 300 \\
-        --out runs/sweep --json docs/figures/cait-sweep.json
+    python bench/studies/cait_sweep.py --n-train 20000 --epochs 4 --n-test 300 \\
+        --models runs/sweep --out docs/figures
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -45,6 +47,9 @@ from lipvit.checkpoint import load_checkpoint
 from lipvit.config import preset
 from lipvit.data import load_dataset
 from lipvit.train import train, train_config_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
 
 DEFAULT_VARIANTS = (
     "default=;",
@@ -96,17 +101,19 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--n-test", type=int, default=300)
     p.add_argument("--eps", default="0.1,0.25,0.5,1.0")
-    p.add_argument("--out", type=Path, required=True, help="folder for the models")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--models", type=Path, default=None,
+                   help="folder for the models (default: OUT/models)")
     p.add_argument("--threads", type=int, default=1)
+    add_out(p, __file__)
     args = p.parse_args()
+    models = args.models or args.out / "models"
     torch.set_num_threads(args.threads)
     eps_list = [float(e) for e in args.eps.split(",")]
     full = load_dataset("fashion-mnist")
     data = dataclasses.replace(full, x_train=full.x_train[:args.n_train],
                                y_train=full.y_train[:args.n_train])
     x, y = full.x_test[:args.n_test], full.y_test[:args.n_test]
-    args.out.mkdir(parents=True, exist_ok=True)
+    models.mkdir(parents=True, exist_ok=True)
     results = {}
     for text in args.variants:
         name, cfg_over, train_over = parse_variant(text)
@@ -114,7 +121,7 @@ def main() -> None:
         tc = train_config_for("lipschitz", "fashion-mnist", arch="cait",
                               device="cpu", threads=args.threads,
                               **{"epochs": args.epochs, **train_over})
-        path = args.out / f"{name}.pt"
+        path = models / f"{name}.pt"
         t0 = time.perf_counter()
         if not path.exists():
             train(cfg, tc, data, path, progress=False)
@@ -134,8 +141,7 @@ def main() -> None:
               + "; content spread " + ", ".join(f"{a['content']:.2f}"
                                                 for a in r["attention"]),
               flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str))
+    write_json(args.out, __file__, results)
 
 
 if __name__ == "__main__":
