@@ -35,6 +35,9 @@ METHOD_SENTENCES = {
     "ball": "bounds each class pair's margin by ε·L(x, ε)·‖w_y − w_j‖, the "
             "attention maps' local constants over the ε-ball times the other "
             "maps' proven ones (the hybrid ViT, CaiT; docs/math.md §10).",
+    "margin": "bounds each wrong-class margin's drop by its exact first-order "
+              "term through attention plus proven remainders, cut anywhere in the "
+              "chain; never weaker than ball (docs/math.md §11).",
     "smoothing": "randomized smoothing (Cohen et al. 2019): a **probabilistic** "
                  "certificate (probability 1 − α per point) of the smoothed "
                  "classifier under Gaussian noise, **not** of the network.",
@@ -52,6 +55,7 @@ METHOD_BOUNDS = {
     "cascade-taylor": "taylor, then CROWN where it did not certify",
     "global": "each class pair (the proven global constant)",
     "ball": "each class pair (local constants over the ε-ball)",
+    "margin": "each wrong-class margin (first order through attention)",
     "smoothing": "the smoothed classifier, with probability 1 − α (probabilistic)",
 }
 """What each method bounds, in a few words: the figure captions."""

@@ -43,6 +43,7 @@ from lipvit.certify.global_bound import (
 )
 from lipvit.certify.lofast.network import METHODS as BOUND_METHODS
 from lipvit.certify.lofast.network import network_bound
+from lipvit.certify.margin.network import MarginCertificate
 from lipvit.certify.smoothing import (
     GUARANTEE,
     SmoothingCertificate,
@@ -59,12 +60,12 @@ from lipvit.model import ViT
 
 ALL_METHODS: tuple[str, ...] = (*BOUND_METHODS, "taylor", "crown", "alpha-crown",
                                 "cascade", "cascade-taylor", "global", "ball",
-                                "smoothing")
-PROVEN_METHODS = ("global", "ball")
+                                "margin", "smoothing")
+PROVEN_METHODS = ("global", "ball", "margin")
 """The methods of the architectures whose every map has a proven constant."""
 ANY_ARCH = frozenset({*PROVEN_METHODS, "smoothing"})
 """The methods that do not bound lipvit's ViT architecture layer by layer
-(``global``, ``ball``: the hybrid ViT's and CaiT's constants; ``smoothing``:
+(``global``, ``ball``, ``margin``: the hybrid ViT's and CaiT's constants; ``smoothing``:
 any classifier)."""
 CASCADES = {"cascade": "lofast", "cascade-taylor": "taylor"}
 """Each cascade: its first method; CROWN runs on what that left uncertified."""
@@ -94,6 +95,17 @@ QUANTITIES = {
                     "times the other maps' proven constants",
         "certificate": "sound: every margin F_y - F_j exceeds eps L(x, eps) "
                        "||w_y - w_j||",
+    },
+    "margin": {
+        "first_order": "exact: eps ||grad_x (F_y - F_j)||, autograd gradients in "
+                       "float64",
+        "remainders": "upper bounds: each map's linearisation remainder along the "
+                      "margin's exact gradient there, on the ball ball's radii give "
+                      "its input (MaxMin pairs that can flip, attention's softmax "
+                      "and projection; docs/math.md §11)",
+        "cuts": "the least over the cuts of the chain of the norm bound from the "
+                "cut on plus the remainders after it; the last cut is ball's bound",
+        "certificate": "sound: every margin F_y - F_j exceeds its drop bound",
     },
     "smoothing": {
         "counts": "exact: estimation draws per class of the float32 network's "
@@ -273,24 +285,26 @@ def _taylor(model, x, y, eps_list, radius, radius_tol, max_memory, max_symbols, 
         radii.setdefault("taylor", []).append(torch.cat(rs))
 
 
-def _ball(chain, model, x, y, eps_list, radius, radius_tol, add, certified, radii
-          ) -> None:
-    """``ball`` on one batch: one entry per ε (and radius) for the batch."""
+def _proven(method, chain, model, x, y, eps_list, radius, radius_tol, add,
+            certified, radii) -> None:
+    """``ball`` or ``margin`` on one batch: one entry per ε (and radius) for
+    the batch."""
     t0 = time.perf_counter()
-    cert = BallCertificate(chain, model, x, y)
-    add("ball", time.perf_counter() - t0)
+    make = BallCertificate if method == "ball" else MarginCertificate
+    cert = make(chain, model, x, y)
+    add(method, time.perf_counter() - t0)
     decided = []
     for eps in eps_list:
         t0 = time.perf_counter()
         ok = cert.certified(eps)
-        add(f"ball@{eps}", time.perf_counter() - t0)
-        certified.setdefault(f"ball@{eps}", []).append(ok)
+        add(f"{method}@{eps}", time.perf_counter() - t0)
+        certified.setdefault(f"{method}@{eps}", []).append(ok)
         decided.append((eps, ok))
     if radius:
         t0 = time.perf_counter()
-        radii.setdefault("ball", []).append(
+        radii.setdefault(method, []).append(
             cert.radius(rtol=radius_tol, certified_at=decided))
-        add("ball-radius", time.perf_counter() - t0)
+        add(f"{method}-radius", time.perf_counter() - t0)
 
 
 def certify_samples(
@@ -396,11 +410,12 @@ def certify_samples(
             t0 = time.perf_counter()
             gc = global_constant(model)
             add("global", time.perf_counter() - t0)
-        if "ball" in methods:
+        local = [m for m in ("ball", "margin") if m in methods]
+        if local:
             t0 = time.perf_counter()
             with torch.no_grad():
                 chain = proven_chain(model)
-            add("ball", time.perf_counter() - t0)
+            add(local[0], time.perf_counter() - t0)
 
         crown = None  # one bounded model for the whole run
         if crown_runs:
@@ -426,10 +441,10 @@ def certify_samples(
                     add(f"global@{eps}", 0.0)
                 radii.setdefault("global", []).append(r)
                 advance(sl.stop - sl.start)
-            if "ball" in methods:
+            for method in local:
                 with torch.no_grad():
-                    _ball(chain, model, xb, yb, eps_list, radius, radius_tol, add,
-                          certified, radii)
+                    _proven(method, chain, model, xb, yb, eps_list, radius,
+                            radius_tol, add, certified, radii)
                 advance(sl.stop - sl.start)
             if use_taylor:
                 _taylor(model, xb, yb, eps_list, radius, radius_tol, max_memory,

@@ -36,12 +36,21 @@ PROVEN_ARCHS = ("hybrid", "cait")
 
 def check_global(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModelError` unless ``model`` carries proven
-    constants (``arch`` ``"hybrid"`` or ``"cait"``)."""
+    constants (``arch`` ``"hybrid"`` or ``"cait"``, its attention not ablated
+    by :func:`lipvit.ablate_attention`)."""
     if getattr(getattr(model, "config", None), "arch", "vit") not in PROVEN_ARCHS:
         raise UnsupportedModelError(
             "this certificate needs a model whose every map has a proven Lipschitz "
             "constant (the lipschitz family's arch 'hybrid' or 'cait'); this model "
             "has none"
+        )
+    if any(getattr(m, "ablated", False) for m in model.modules()):
+        # An ablated block is the identity (constant 1), which its chain would
+        # still charge (1 − g) + g L_A: possibly below 1, an unsound bound.
+        raise UnsupportedModelError(
+            "this model's attention is ablated (lipvit.ablate_attention): its "
+            "blocks' proven constants no longer describe it; certify the model it "
+            "was made from"
         )
 
 

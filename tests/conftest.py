@@ -241,6 +241,23 @@ def trained_ckpts(digits: Dataset, tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
+@pytest.fixture(scope="session")
+def trained_cait(digits: Dataset, tmp_path_factory) -> torch.nn.Module:
+    """A small CaiT trained on digits against ``ball`` (seconds), float64, in
+    eval mode (shared by the ``ball`` and ``margin`` tests)."""
+    from lipvit.checkpoint import load_checkpoint
+    from lipvit.config import preset
+    from lipvit.train import train, train_config_for
+
+    out = tmp_path_factory.mktemp("cait") / "c.pt"
+    cfg = preset("fmnist-cait", image_size=8, embed_dim=16, stem_width=8,
+                 head_hidden=32, cls_heads=4, cls_value_dim=8)
+    tc = train_config_for("lipschitz", "digits", arch="cait", epochs=12,
+                          batch_size=64, device="cpu", seed=0, cert_eps=0.1)
+    train(cfg, tc, digits, out, progress=False)
+    return load_checkpoint(out).model.double().eval()
+
+
 def pgd_lipschitz_ratio(
     fn: Callable[[Tensor], Tensor],
     x: Tensor,

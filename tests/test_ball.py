@@ -27,10 +27,9 @@ from torch.func import grad_and_value, jacrev, vmap
 import lipvit
 from lipvit.cait import LipschitzCaiT
 from lipvit.cli import main
-from lipvit.config import ViTConfig, preset
+from lipvit.config import ViTConfig
 from lipvit.layers import max_min
 from lipvit.lipschitz_blocks import ClassAttention, GatedAttention
-from lipvit.train import train, train_config_for
 
 SEEDS = (0, 1, 2)
 
@@ -231,17 +230,8 @@ def test_ball_constant_bounds_the_features_move(seed, eps, digits):
 
 
 @pytest.fixture(scope="module")
-def trained(digits, tmp_path_factory):
-    """A small CaiT trained on digits against ``ball`` (seconds)."""
-    out = tmp_path_factory.mktemp("cait") / "c.pt"
-    cfg = preset("fmnist-cait", image_size=8, embed_dim=16, stem_width=8,
-                 head_hidden=32, cls_heads=4, cls_value_dim=8)
-    tc = train_config_for("lipschitz", "digits", arch="cait", epochs=12,
-                          batch_size=64, device="cpu", seed=0, cert_eps=0.1)
-    train(cfg, tc, digits, out, progress=False)
-    from lipvit.checkpoint import load_checkpoint
-
-    return load_checkpoint(out).model.double().eval()
+def trained(trained_cait):
+    return trained_cait
 
 
 def test_ball_is_never_weaker_than_global(trained, digits):

@@ -1,0 +1,224 @@
+"""The ``margin`` certificate: the margin's exact gradient at the point plus
+proven bounds on the remainders of the maps after it, cut anywhere in the
+chain and never weaker than ``ball`` (docs/math.md §11).
+
+The network is a chain ``z_k = h_k(z_{k−1})``. Linearise each map at its clean
+input, ``Δz_k = J_k Δz_{k−1} + r_k``; unrolled, the move of a margin ``m = F_y −
+F_j`` is exactly
+
+    m(x′) − m(x) = ∇m(x) · (x′ − x) + Σ_k g_kᵀ r_k,                        (11.1)
+
+``g_k`` the margin's exact gradient at map ``k``'s output (clean point), so
+``m`` drops by at most ``ε ‖∇m(x)‖ + Σ_k |g_kᵀ r_k|``. Each remainder is bounded
+on the ball that map's input can reach (:mod:`.variation`; the radii from
+``ball``'s composition, :func:`lipvit.certify.ball.network.ball_chain`). The
+chain may be cut after any map instead (eq. 11.8): the margin's move from the
+cut on is at most the cut's radius times the margin's gradient there, plus
+the remainders after it; the cut after the last map is ``ball``'s bound. Each
+margin takes the least of these.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from lipvit.lipschitz_blocks import ClassAttention, GatedAttention, GatedMLP
+from lipvit.spectral import conv_operator_norm, spectral_norm
+
+from ..ball.attention import class_attention_local, class_ball, self_ball
+from ..ball.network import BallChain, ball_chain
+from ..certification import ROUNDING, bisect_radius
+from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
+from .variation import (
+    class_attention_variation,
+    maxmin_remainder,
+    projection_moves,
+    self_attention_variation,
+)
+
+
+class Site(NamedTuple):
+    """One map of the forward pass whose Jacobian can change over the ball:
+    its clean input ``z`` (MaxMin: the pre-activation; attention: the tokens)
+    and the margins' gradients ``g`` ``(K, B, ...)`` at its output (MaxMin: at
+    its input, which has the same pair differences and norm)."""
+
+    module: nn.Module
+    z: Tensor
+    g: Tensor
+
+
+def _record(model: nn.Module, x: Tensor, y: Tensor
+            ) -> tuple[Tensor, Tensor, list[Site]]:
+    """Logits, ``‖∇ₓ m_j‖`` ``(K, B)`` and the :class:`Site` list of ``model``
+    at ``x``: forward hooks keep every site's input and output; one batched
+    backward pass (a vector ``e_y − e_j`` per class) gives the margins'
+    gradients at all of them."""
+    kept: list[tuple[nn.Module, Tensor, Tensor]] = []
+    maxmin_inputs = [*model.stem, model.head_hidden]
+    maxmin_inputs += [m.fc1 for m in model.modules() if isinstance(m, GatedMLP)]
+
+    def hook(module, args, out):
+        # MaxMin follows the module: its input is the module's output.
+        z = out if any(module is m for m in maxmin_inputs) else args[0]
+        kept.append((module, z.detach(), out))
+
+    modules = [*maxmin_inputs, *(m for m in model.modules()
+                                 if isinstance(m, GatedAttention | ClassAttention))]
+    handles = [m.register_forward_hook(hook) for m in modules]
+    x = x.detach().requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            logits = model(x)
+            eye = torch.eye(logits.shape[1], dtype=x.dtype, device=x.device)
+            E = eye[y][None] - eye[:, None, :]  # (K, B, classes)
+            grads = torch.autograd.grad(logits, [x, *(out for _, _, out in kept)],
+                                        grad_outputs=E, is_grads_batched=True)
+    finally:
+        for h in handles:
+            h.remove()
+    sites = [Site(m, z, g) for (m, z, _), g in zip(kept, grads[1:], strict=True)]
+    return logits.detach(), grads[0].flatten(2).norm(dim=-1), sites
+
+
+class MarginCertificate:
+    """``margin`` on a batch: one forward pass and one batched backward pass,
+    then the certificate at any ``ε`` and the radius from them. Never weaker
+    than ``ball`` (its bound is one of the cuts), hence than ``global``.
+
+    Args:
+        chain: the model's :func:`~lipvit.certify.global_bound.proven_chain`.
+        model: a hybrid ViT or CaiT (certify a float64 copy, in eval mode).
+        x: images ``(B, C, S, S)``; ``y``: labels ``(B,)``.
+    """
+
+    def __init__(self, chain: Chain, model: nn.Module, x: Tensor, y: Tensor):
+        self.chain, self.model = chain, model
+        logits, self.gx_norm, self.sites = _record(model, x, y)
+        with torch.no_grad():
+            self.margins = pair_margins(logits, y)  # (B, K), +inf at y
+            one = torch.ones((), dtype=x.dtype, device=x.device)
+            self.pair = pair_constants(model.head.weight, one, y)  # ‖w_y − w_j‖
+            self.correct = logits.argmax(dim=1) == y
+            self.inputs = [s.z for s in self.sites
+                           if isinstance(s.module, GatedAttention | ClassAttention)]
+            # Each stem convolution's output radius over ε: the convolutions so far.
+            self.stem_L, L = [], one
+            for conv in model.stem:
+                L = L * conv_operator_norm(conv.weight,
+                                           conv.parametrizations.weight[0].size)
+                self.stem_L.append(L)
+            self.W1 = {id(m.fc1): spectral_norm(m.fc1.weight) * (1 + 1e-12)
+                       for m in model.modules() if isinstance(m, GatedMLP)}
+            self._soft0 = {}  # self-attention's softmax-path bound at the point
+            for k, (attn, t) in enumerate(zip(chain.maps, self.inputs, strict=True)):
+                if isinstance(attn, GatedAttention):
+                    zero = torch.zeros_like(t[:, 0, 0])
+                    self._soft0[k] = self._self_ball(k, t, zero).soft
+
+    def _self_ball(self, k: int, t: Tensor, delta: Tensor):
+        attn = self.chain.maps[k]
+        W_q, W_k, W_v, _ = attn.weights()
+        return self_ball(t, delta, W_q, W_k, W_v, self.chain.norms[k], attn.pos_bias,
+                         attn.radius)
+
+    def _attention_term(self, k: int, site: Site, delta: Tensor) -> Tensor:
+        """``|g_kᵀ r_k| ≤ V_k δ_k``, ``(K, B)``, of attention map ``k`` (eq. 11.2,
+        11.4, 11.5), each ``V_k`` capped by ``‖g_k‖`` times twice the map's
+        constant on the ball (``‖J′ − J‖ ≤ ‖J′‖ + ‖J‖``)."""
+        attn, norms, t = self.chain.maps[k], self.chain.norms[k], site.z
+        g_norm = site.g.flatten(2).norm(dim=-1)  # (K, B)
+        if isinstance(attn, ClassAttention):
+            ball = class_ball(t, delta, attn.a(), attn.value, norms, attn.pos_bias,
+                              attn.radius)
+            V = class_attention_variation(t, delta, site.g, attn.a(), attn.value,
+                                          ball.P0, ball.P_bar, ball.Delta,
+                                          attn.radius)
+            L_loc = class_attention_local(t, delta, attn.a(), attn.value, norms,
+                                          attn.pos_bias, attn.radius)
+            return torch.minimum(V, 2 * g_norm * L_loc) * delta
+        ball = self._self_ball(k, t, delta)
+        dJ = self_attention_variation(ball.P0, ball.P_bar, ball.P_low, ball.soft,
+                                      self._soft0[k],
+                                      projection_moves(t, delta, attn.radius),
+                                      norms.value, norms.out)
+        L_loc = norms.out * ball.P_norm.amax(dim=-1) * norms.value + ball.soft
+        dJ = torch.minimum(dJ, 2 * torch.minimum(L_loc, self.chain.L_A[k]))
+        return g_norm * (self.chain.gate[k] / self.chain.scale[k]) * dJ * delta
+
+    def _terms(self, eps: Tensor, bc: BallChain) -> tuple[list[Tensor], list]:
+        """Per site in forward order, its remainder bound ``(K, B)`` (eq.
+        11.3–11.5; the sites' input radii from ``ball``'s chain ``bc``) and the
+        cut after it (``δ_out ‖g_out‖``, eq. 11.8; ``None`` where not taken)."""
+        rest, cuts, attn_k = [], [], 0
+        for site in self.sites:
+            module, g_norm = site.module, site.g.flatten(2).norm(dim=-1)
+            if any(module is conv for conv in self.model.stem):
+                i = [conv is module for conv in self.model.stem].index(True)
+                delta = eps * self.stem_L[i]
+                rest.append(maxmin_remainder(site.z, site.g, delta, -3))
+                cuts.append(delta * g_norm)  # MaxMin keeps both norms
+            elif isinstance(module, GatedAttention | ClassAttention):
+                rest.append(self._attention_term(attn_k, site, eps * bc.L_in[attn_k]))
+                cuts.append(eps * bc.L_mid[attn_k] * g_norm)
+                attn_k += 1
+            elif module is self.model.head_hidden:
+                delta = eps * bc.L  # the features' radius, the head MaxMin's input's
+                rest.append(maxmin_remainder(site.z, site.g, delta, -1))
+                cuts.append(None)  # after it: ``ball``'s bound, in :meth:`drops`
+            else:  # a CaiT block's MLP, after the attention map just passed
+                delta = self.W1[id(module)] * eps * bc.L_mid[attn_k - 1]
+                rest.append(maxmin_remainder(site.z, site.g, delta, -1))
+                cuts.append(None)
+        return rest, cuts
+
+    @torch.no_grad()
+    def drops(self, eps: Tensor) -> tuple[Tensor, Tensor]:
+        """``(B, K)`` bounds of each margin's drop on the ε-ball, ``margin``'s
+        (the least over the cuts, eq. 11.8) and ``ball``'s ``ε L(x, ε) ‖w_y −
+        w_j‖`` (the last cut), both rounded up. ``eps`` ``(B,)``."""
+        bc = ball_chain(self.chain, self.inputs, eps)
+        rest, cuts = self._terms(eps, bc)
+        ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
+        after = torch.zeros_like(rest[0])  # the remainders after the current site
+        best = ball.mT
+        for r, cut in zip(reversed(rest), reversed(cuts), strict=True):
+            if cut is not None:
+                best = torch.minimum(best, cut + after)
+            after = after + r
+        best = torch.minimum(best, eps * self.gx_norm + after)
+        return best.mT * (1 + ROUNDING), ball * (1 + ROUNDING)
+
+    def certified(self, eps: Tensor | float) -> Tensor:
+        """``(B,)`` bool: every wrong class's margin (rounded down) exceeds its
+        drop bound."""
+        eps = torch.as_tensor(eps, dtype=self.margins.dtype,
+                              device=self.margins.device).expand(self.correct.shape[0])
+        own, _ = self.drops(eps)
+        return (self.margins > own).all(dim=1) & self.correct
+
+    @torch.no_grad()
+    def radius(self, *, rtol: float = 1e-3, certified_at=(),
+               eps0: float = 1e-4) -> Tensor:
+        """Certified radius per point, ``(B,)``, by bisection on
+        :meth:`certified` (sound: certified at the value returned). Each
+        term's bound over ``ε`` grows with ``ε`` (a cut's radius, a
+        remainder's superlinear growth), so a margin's drop at ``ε`` is at
+        least ``ε`` times its drop at ``eps0`` over ``eps0``: the search stays
+        below ``min_j m_j eps0 / drop_j(eps0)`` (a bracket, not a claim: the
+        result is certified wherever the bracket lies)."""
+        zero = torch.zeros_like(self.margins[:, 0])
+        own, _ = self.drops(torch.full_like(zero, eps0))
+        top = (self.margins * eps0 / own.clamp_min(1e-300)).amin(dim=1)
+        top = torch.where(self.correct & torch.isfinite(top), top.clamp_min(0), zero)
+        return bisect_radius(self.certified, top > 0, dtype=top.dtype, rtol=rtol,
+                             certified_at=certified_at, bracket=(zero, top))
+
+
+def margin_certificate(model: nn.Module, x: Tensor, y: Tensor) -> MarginCertificate:
+    """:class:`MarginCertificate` of ``model`` (a float64 hybrid ViT or CaiT in
+    eval mode) at images ``x`` with labels ``y``."""
+    return MarginCertificate(proven_chain(model), model, x, y)

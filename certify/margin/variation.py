@@ -1,0 +1,208 @@
+"""How far the margin's gradient can turn over the ball, one bound per kind of
+nonlinear map (docs/math.md §11, ours).
+
+Pure functions of tensors. Each bounds, for a map ``φ`` with Jacobian ``J`` at
+the clean input ``z`` and a fixed row vector ``g`` (the exact gradient of one
+margin with respect to the map's output at the clean point, per class), the
+remainder ``|gᵀ(φ(z′) − φ(z) − J(z)(z′ − z))|`` over the ball ``‖z′ − z‖ ≤
+δ``: in closed form for MaxMin (eq. 11.3), and for attention through
+
+    |gᵀ r| ≤ δ sup_{ξ} ‖gᵀ (J(ξ) − J(z))‖                                 (11.2)
+
+(the fundamental theorem along the segment; the maps are Lipschitz). All are
+**upper bounds**; tests/test_margin_weakened.py checks them against dense
+Jacobians at points of the ball and gradient ascent, in float64, and each
+against weakened copies of itself.
+
+============  ==================  ==============================================
+symbol        variable            meaning
+============  ==================  ==============================================
+``δ``         ``delta``           radius of the map's input ball, ``(B,)``
+``g``         ``g``               the margins' gradients, ``(K, B, ...)``
+``η``         ``eta``             ``≥ |P′ − P|`` entrywise on the ball
+``w_h``       ``w``               ``W_v[h] u_h``: class attention's values read
+                                  along the margin's gradient ``u``
+============  ==================  ==============================================
+
+Shapes: ``K`` margins (classes), ``B`` batch, ``N`` tokens, ``D`` width, ``H``
+heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lipvit.layers import layer_project
+from lipvit.spectral import spectral_norm
+
+# Relative float error allowed in a computed gap |a − b| (rounded towards a
+# flip, so that no pair that can flip is missed).
+GAP_SLACK = 1e-12
+
+
+def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
+    """Eq. (11.3)'s dual bound: ``max Σ_p |c_p| (√2 t_p − |d_p|)_+`` over
+    ``Σ_p t_p² ≤ δ²`` is at most, for every ``λ > 0``,
+
+        F(λ) = λ δ² + Σ_p (c_p² / (2λ) − |c_p| |d_p|)_+
+
+    (weak duality; the inner maximum over ``t_p`` is in closed form). ``F`` is
+    convex and, between two consecutive breakpoints ``λ_p = |c_p| / (2|d_p|)``,
+    of the form ``λ δ² + S₂/(2λ) − S₁``: its minimum over each piece (the
+    stationary point clamped into it) is evaluated and the least taken, each
+    value a valid bound. ``c`` ``(K, B, P)``, ``d`` ``(B, P)``, ``delta``
+    ``(B,)``; returns ``(K, B)``."""
+    c, d = c.abs(), d.abs().expand_as(c)
+    lam_p = torch.where(d > 0, c / (2 * d.clamp_min(1e-300)), torch.inf)
+    lam_p = torch.where(c > 0, lam_p, 0.0)  # c = 0: never active
+    lam_p, order = lam_p.sort(dim=-1, descending=True)
+    c, d = c.gather(-1, order), d.gather(-1, order)
+    S2 = torch.nn.functional.pad((c**2).cumsum(dim=-1), (1, 0))  # first i active
+    S1 = torch.nn.functional.pad((c * d).cumsum(dim=-1), (1, 0))
+    hi = torch.nn.functional.pad(lam_p, (1, 0), value=torch.inf)  # λ_(i)
+    lo = torch.nn.functional.pad(lam_p, (0, 1), value=0.0)  # λ_(i+1)
+    d2 = (delta**2)[:, None]  # (B, 1)
+    lam = (S2 / (2 * d2.clamp_min(1e-300))).sqrt().clamp(min=lo, max=hi)
+    lam = lam.clamp_min(1e-300)
+    F = lam * d2 + S2 / (2 * lam) - S1
+    F = F + 1e-12 * (lam * d2 + S2 / (2 * lam) + S1)  # the subtraction's rounding
+    best = F.amin(dim=-1)
+    return torch.where(delta > 0, best, torch.zeros_like(best)).clamp_min(0.0)
+
+
+def maxmin_remainder(z: Tensor, g: Tensor, delta: Tensor, dim: int) -> Tensor:
+    """Eq. (11.3): ``|gᵀ r|``, ``r = MaxMin(z′) − MaxMin(z) − J (z′ − z)`` the
+    remainder of MaxMin along ``dim`` at pre-activations ``z`` ``(B, ...)``
+    (``dim`` negative) for ``z′`` on the ball of radius ``delta`` ``(B,)``,
+    ``g`` ``(K, B, ...)`` the gradients at its input (or output: only ``|g_a −
+    g_b|`` enters, the same on both sides); returns ``(K, B)``.
+
+    A pair ``(a, b)`` read as ``g₁ max + g₂ min = (g₁ + g₂)(a + b)/2 + (g₁ −
+    g₂) |a − b|/2`` leaves a remainder only where ``a − b`` changes sign, and
+    then of size ``|g₁ − g₂| (|Δ(a − b)| − |a − b|)``, with ``|Δ(a − b)| ≤
+    √2 t_p``, ``t_p`` the pair's move and ``Σ_p t_p² ≤ δ²`` (the pairs are
+    disjoint coordinates): :func:`pair_remainder`."""
+    assert dim < 0, "dim counts from the end (z and g differ in leading axes)"
+    a, b = z.chunk(2, dim=dim)
+    ga, gb = g.chunk(2, dim=dim)
+    gap = ((a - b).abs() - GAP_SLACK * (a.abs() + b.abs())).clamp_min(0.0)
+    return pair_remainder((ga - gb).flatten(2), gap.flatten(1), delta)
+
+
+def projection_moves(X: Tensor, delta: Tensor, radius: float) -> Tensor:
+    """``(B, N)`` bool: the tokens of ``X`` ``(B, N, D)`` whose projection's
+    Jacobian may differ anywhere on the ball of radius ``delta`` ``(B,)`` from
+    its value at ``X`` (``‖x_j‖ + δ ≥ R``; elsewhere it is the identity on the
+    whole ball). Where it may, the two Jacobians differ by at most 1 (both are
+    symmetric with eigenvalues in ``[0, 1]``)."""
+    return X.norm(dim=-1) + delta[:, None] >= radius * (1 - GAP_SLACK)
+
+
+def projection_turn(X: Tensor, delta: Tensor, radius: float) -> tuple[Tensor, Tensor]:
+    """How far the projection's Jacobian ``J(x) = (R/‖x‖)(I − x xᵀ/‖x‖²)``
+    (outside the radius; ``I`` inside) can change on each token's ball,
+    eq. (11.6): ``cross`` ``(B, N)`` bool, the tokens that may cross the
+    radius (change at most 1), and ``kappa`` ``(B, N)``, for the tokens that
+    stay outside, ``‖J(x′) − J(x)‖ ≤ κ_j ‖x′ − x‖`` with ``κ_j = (R/‖x_j‖)
+    (1/(‖x_j‖ − δ) + 1/‖x_j‖)`` (0 for the tokens that stay inside)."""
+    norm = X.norm(dim=-1)  # (B, N)
+    dl = delta[:, None]
+    R_lo, R_hi = radius * (1 - GAP_SLACK), radius * (1 + GAP_SLACK)
+    cross = (norm + dl >= R_lo) & (norm - dl <= R_hi)
+    outside = norm - dl > R_hi
+    safe = norm.clamp_min(R_hi)
+    kappa = radius / safe * (1 / (safe - dl).clamp_min(R_hi) + 1 / safe)
+    return cross, torch.where(outside, kappa, torch.zeros_like(kappa))
+
+
+def self_attention_variation(P0: Tensor, P_bar: Tensor, P_low: Tensor,
+                             soft: Tensor, soft0: Tensor, moves: Tensor,
+                             value: Tensor, out: Tensor) -> Tensor:
+    """Eq. (11.4): ``‖J_Attn(X′) − J_Attn(X)‖`` on the ball for self-attention
+    (``g`` enters by its norm). The value path changes by the attention's
+    change ``η ≥ |P′ − P|`` and by the projection's Jacobian on the tokens
+    that may cross the radius (``moves``), the softmax path is bounded at
+    ``X′`` and at ``X`` (``soft``, ``soft0``: eq. 10.2's term on the ball and
+    at the point)::
+
+        ‖W_o‖ ‖W_v‖ max_h (‖η_h‖ + ‖P_h[:, T]‖) + S(δ) + S(0)
+
+    ``P0, P_bar, P_low`` ``(B, H, N, N)`` (:func:`lipvit.certify.ball.attention.
+    self_ball`), ``soft, soft0`` ``(B,)``, ``moves`` ``(B, N)``, ``value =
+    ‖W_v‖``, ``out = ‖W_o‖``; returns ``(B,)``."""
+    eta = torch.maximum(P_bar - P0, P0 - P_low)  # (B, H, N, N)
+    P_T = P0 * moves[:, None, None, :].to(P0.dtype)  # the columns of T
+    paths = (spectral_norm(eta) + spectral_norm(P_T)) * (1 + 1e-12)  # (B, H)
+    return out * value * paths.amax(dim=-1) + soft + soft0
+
+
+def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
+                              W_v: Tensor, P0: Tensor, P_bar: Tensor,
+                              Delta: Tensor, radius: float) -> Tensor:
+    """Eq. (11.5): (11.2) for class attention ``c(X) = [(Σ_j P_h[j] x̂_j)
+    W_v[h]]_h``, ``P_h = softmax(B_h + X̂ a_h)``, along ``u`` ``(K, B, H·d_v)``
+    (the margins' gradients at ``c``). With ``w_h = W_v[h] u_h``, ``f_hj = w_h ·
+    x̂_j`` and ``φ_h = Σ_j P_h[j] f_hj``, ``uᵀc = Σ_h φ_h`` and its gradient in
+    ``x̂_j`` is ``G_j = Σ_h P_h[j] (w_h + (f_hj − φ_h) a_h)``. On the ball each
+    projected token moves by ``γ_j``, ``Σ_j γ_j² ≤ δ²``, and
+
+        G′_j − G_j = Σ_h (ΔP_hj w_h + ΔQ_hj a_h),   Q_hj = P_h[j] (f_hj − φ_h),
+
+    each term bounded by a part proportional to ``γ_j`` and a part shared by
+    the tokens; the ℓ2 norm over tokens of ``Σ_h (α_hj γ_j + β_hj)`` is at most
+    ``δ max_j Σ_h α_hj + ‖Σ_h β_hj‖_j``. The attention's change (eq. 11.5a):
+    ``|ΔP_hj| ≤ η̄_hj`` (eq. 10.1, no split) and ``≤ ζ_h ψ_h P_h[j] (γ_j +
+    ‖P_h‖₂ δ)`` with ``ψ_h = (e^{‖a_h‖δ} − 1)/δ`` (the chord of the exponential)
+    and ``ζ_h = e^{‖a_h‖ ‖P_h‖₂ δ}`` (Jensen on the softmax's denominator); the
+    pooled value's change ``Δφ_h ≤ ‖w_h‖ ‖P̄_h‖₂ δ + Σ_j |ΔP_hj| |f_hj − φ_h|``;
+    ``|ΔQ_hj| ≤ |ΔP_hj| (|f_hj − φ_h| + ‖w_h‖ γ_j + Δφ_h) + P_h[j] (‖w_h‖ γ_j +
+    Δφ_h)``. Both forms of each sum are computed and the smaller kept. The
+    projection adds ``(J′ − J)ᵀ G`` (eq. 11.6, :func:`projection_turn`).
+
+    ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``a`` ``(H, D)``, ``W_v`` ``(H, D,
+    d_v)``; ``P0, P_bar`` ``(B, H, N)`` and ``Delta`` ``(B, H)`` from
+    :func:`lipvit.certify.ball.attention.class_ball`; returns ``(K, B)``."""
+    K, B = u.shape[:2]
+    H, _, d_v = W_v.shape
+    x_hat = layer_project(X, radius)  # (B, N, D)
+    w = torch.einsum("kbhv,hDv->kbhD", u.reshape(K, B, H, d_v), W_v)
+    f = torch.einsum("bnD,kbhD->kbhn", x_hat, w)  # (K, B, H, N)
+    phi = (P0 * f).sum(dim=-1, keepdim=True)  # (K, B, H, 1)
+    dev = (f - phi).abs()
+    w_norm = w.norm(dim=-1)[..., None]  # (K, B, H, 1)
+    a_norm = a.norm(dim=-1)[:, None]  # (H, 1)
+    dl = delta[:, None, None]  # (B, 1, 1)
+    # |ΔP| ≤ η̄ (eq. 10.1) and ≤ α γ_j + β (eq. 11.5a).
+    eta = torch.maximum(P_bar - P0, P0 - P0 * (-2 * Delta)[..., None].exp())
+    P2 = P0.norm(dim=-1, keepdim=True)  # (B, H, 1) ‖P_h‖₂
+    ad = a_norm * dl  # (B, H, 1)
+    psi = torch.where(dl > 0, torch.expm1(ad) / dl.clamp_min(1e-300), a_norm)
+    alpha = (ad * P2).exp() * psi * P0  # (B, H, N)
+    beta = alpha * P2 * dl
+
+    def tokens(local: Tensor, shared: Tensor) -> Tensor:
+        """``δ max_j Σ_h local + ‖Σ_h shared‖_j``: ``(K, B)``."""
+        return (delta * local.sum(dim=-2).amax(dim=-1)
+                + shared.sum(dim=-2).norm(dim=-1))
+
+    values = torch.minimum((eta * w_norm).sum(dim=-2).norm(dim=-1),
+                           tokens(alpha * w_norm, beta * w_norm))
+    P_bar2 = torch.minimum(P_bar.norm(dim=-1, keepdim=True),
+                           P_bar.amax(dim=-1, keepdim=True).sqrt()).clamp(max=1.0)
+    d_phi = w_norm * dl * P_bar2 + torch.minimum(
+        (eta * dev).sum(dim=-1, keepdim=True),
+        dl * (alpha * dev).norm(dim=-1, keepdim=True)
+        + (beta * dev).sum(dim=-1, keepdim=True))  # (K, B, H, 1)
+    whole = tokens(a_norm * P0 * w_norm,
+                   a_norm * (eta * (dev + w_norm * dl + d_phi) + P0 * d_phi))
+    split = tokens(a_norm * (alpha * (dev + d_phi) + (eta + P0) * w_norm),
+                   a_norm * (beta * (dev + d_phi) + P0 * d_phi))
+    soft = torch.minimum(whole, split)
+    G = torch.einsum("bhn,kbhD->kbnD", P0, w) + torch.einsum(
+        "bhn,kbhn,hD->kbnD", P0, f - phi, a)  # (K, B, N, D)
+    G_norm = G.norm(dim=-1)  # (K, B, N)
+    cross, kappa = projection_turn(X, delta, radius)
+    project = ((G_norm**2 * cross.to(G.dtype)).sum(dim=-1).sqrt()
+               + delta * (kappa * G_norm).amax(dim=-1))
+    return values + soft + project
