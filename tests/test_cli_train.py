@@ -137,3 +137,74 @@ def test_train_bad_inputs(tmp_path: Path) -> None:
     assert not Path(out).exists()
     result = _run("train", "--family", "other")
     assert result.exit_code == 1 and "Traceback" not in result.output  # usage: 1
+
+
+# ---------------------------------------------------------------- defaults in the help
+
+HELP_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "warmup",
+               "label_smoothing", "grad_clip", "loss_scale", "margin",
+               "relu_stability", "stability_radius", "cert_eps", "cert_warmup",
+               "cert_stream", "cert_mix", "noise_sd", "augment")
+
+
+def _option_help(name: str) -> str:
+    from lipvit.commands.train import train_command
+
+    (option,) = [p for p in train_command.params if p.name == name]
+    return " ".join(option.help.split())
+
+
+@pytest.mark.parametrize("field", HELP_FIELDS)
+def test_train_help_states_the_defaults_the_code_uses(field):
+    """For every model ``train`` builds with defaults of its own, the value the
+    help states for it is the one :func:`train_config_for` gives that model's
+    dataset, family and architecture (what the command then trains with)."""
+    import re
+
+    from lipvit.commands.train import _shown, default_models
+    from lipvit.train import train_config_for
+
+    text = _option_help(field)
+    stated = re.search(r"\[default: (.*)\]", text).group(1)
+    groups = [g.strip() for g in stated.split(";")]
+    for label, (dataset, family, arch) in default_models().items():
+        value = _shown(getattr(train_config_for(family, dataset, arch=arch), field))
+        if len(groups) == 1 and "(" not in groups[0]:
+            assert groups[0] == value, (field, label)
+            continue
+        (shown,) = [g for g in groups if re.search(rf"[(,] ?{re.escape(label)}[,)]", g)]
+        assert shown.startswith(value + " ("), (field, label, shown, value)
+
+
+def test_fashion_mnist_cait_defaults_are_its_own():
+    """The CaiT's schedule (ARCH_DEFAULTS) is what its help line says, not the
+    family's (the help once stated the family's eight values)."""
+    text = _option_help("epochs")
+    assert "12 (--preset fmnist-cait)" in text
+
+
+def test_the_lipschitz_default_certifies_most_in_the_measured_table():
+    """The rule of DEFAULT_PRESET: on Fashion-MNIST the lipschitz default is
+    the lipvit model that certifies most at ε = 0.25 and 0.5 (their sum) in
+    the measured table."""
+    from lipvit.commands.train import DEFAULT_PRESET
+
+    table = json.loads((Path(__file__).parent.parent / "docs" / "figures"
+                        / "peer_lipschitz_cnn.json").read_text())
+    presets = {"lipvit cait (ball)": "fmnist-cait",
+               "lipvit hybrid (ball)": "fmnist-hybrid"}
+    score = {presets[name]: sum(table[name]["certified"][e] for e in ("0.25", "0.5"))
+             for name in presets}
+    assert DEFAULT_PRESET["fashion-mnist", "lipschitz"] == max(score, key=score.get)
+
+
+def test_certify_help_names_the_default_method_of_each_architecture():
+    import re
+
+    from lipvit.commands.certify import DEFAULT_METHODS, certify
+
+    (option,) = [p for p in certify.params if p.name == "method_text"]
+    text = " ".join(option.help.split())
+    for arch, method in DEFAULT_METHODS.items():
+        label = "lipvit's ViT" if arch == "vit" else arch
+        assert re.search(rf"{method} \([^)]*{re.escape(label)}", text), (arch, text)

@@ -240,9 +240,9 @@ def test_cli_train_defaults_to_the_fashion_mnist_preset(tmp_path: Path) -> None:
         "--out", str(tmp_path / "lip.pt")])
     assert result.exit_code == 0, result.output
     lip = load_checkpoint(tmp_path / "lip.pt")
-    assert (lip.config.arch, lip.config.embed_dim) == ("cait", 64)  # fmnist-cait
+    assert (lip.config.arch, lip.config.embed_dim) == ("hybrid", 64)  # fmnist-hybrid
     assert lip.summary["train_config"]["batch_size"] == 256
-    assert lip.summary["proven"]["arch"] == "cait"
+    assert lip.summary["proven"]["arch"] == "hybrid"
     assert "global constant" in result.output and "without attention" in result.output
 
 
@@ -303,7 +303,7 @@ def test_pipeline_selects_the_fashion_mnist_preset_and_schedules(
 
 def test_pipeline_trains_and_certifies_the_hybrid(tmp_path: Path) -> None:
     """The Fashion-MNIST pipeline's lipschitz steps on a tiny fake dataset:
-    one `lipvit train` (CaiT, no MSVP), certified with `ball` and `global`,
+    one `lipvit train` (the hybrid ViT, no MSVP), certified with `ball` and `global`,
     whose report section names the methods and the model's constant."""
     import json
 
@@ -320,14 +320,14 @@ def test_pipeline_trains_and_certifies_the_hybrid(tmp_path: Path) -> None:
     assert run_step(steps["train/lipschitz"], False) == "ran"
     assert run_step(steps["certify/lipschitz"], False) == "ran"
     ckpt = load_checkpoint(plan.model("lipschitz"))
-    assert ckpt.config.arch == "cait"
+    assert ckpt.config.arch == "hybrid"
     assert not any(ckpt.summary["train_config"]["msvp"])
     cert = json.loads((plan.out / "certify" / "lipschitz.json").read_text())
     assert {r["method"] for r in cert["results"]} == {"ball", "global"}
     report = pipeline_report(plan.out, {}, {}).render()
     assert "`global`: bounds each class pair's margin" in report
     assert "`ball`: " in report
-    assert "The lipschitz model is CaiT" in report
+    assert "The lipschitz model is the hybrid ViT" in report
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason=f"{REAL} absent "

@@ -63,25 +63,41 @@ def taylor_unsupported(model) -> str | None:
     return None
 
 
+DEFAULT_METHODS = {"vit": "taylor", "hybrid": "ball", "cait": "ball"}
+"""A ``certify`` without ``--method``, per architecture: the best sound method
+each supports at its speed (``taylor``: first-order exact; ``ball``: the local
+constants over the ε-ball, never weaker than ``global``; ``margin`` is never
+weaker than ``ball`` but several times slower: ask for it). A ViT that taylor
+cannot bound falls back to ``lofast``, with a one-line note."""
+
+
 def default_method(model) -> tuple[str, str | None]:
-    """The method of a ``certify`` without ``--method``: the best sound one the
-    model supports: ``ball`` on the hybrid ViT and CaiT (their local
-    constants, never weaker than ``global``), else ``taylor`` (first-order
-    exact), else ``lofast``, with the one-line note that says why.
+    """The method of a ``certify`` without ``--method`` (:data:`DEFAULT_METHODS`)
+    and the one-line note that says why, where it is not the architecture's
+    first choice.
 
     Raises:
         UnsupportedModelError: lofast cannot bound the model either (its reason).
     """
-    if getattr(model.config, "arch", "vit") != "vit":
-        return "ball", None  # its proven constants, local where it pays (§10)
+    arch = getattr(model.config, "arch", "vit")
+    if arch != "vit":
+        return DEFAULT_METHODS[arch], None
     why = taylor_unsupported(model)
     if why is None:
-        return "taylor", None
+        return DEFAULT_METHODS[arch], None
     check_dot_attention(model, "the lofast network bound")
     for block in model.blocks:
         bound_weights(block.attn)  # refuses query/key biases
     return "lofast", (f"note: taylor cannot bound this model ({why}); certifying "
                       "with lofast")
+
+
+def _methods_help() -> str:
+    by_method: dict[str, list[str]] = {}
+    for arch, method in DEFAULT_METHODS.items():
+        by_method.setdefault(method, []).append(
+            "lipvit's ViT" if arch == "vit" else f"{arch}")
+    return "; ".join(f"{m} ({', '.join(a)})" for m, a in by_method.items())
 
 
 def _radius_rows(report: CertifyReport, radii: list[float]) -> list[list]:
@@ -150,8 +166,8 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
     "method_text",
     multiple=True,
     help=f"comma list or repeatable, from: {', '.join(ALL_METHODS)} [default: "
-         "taylor, the strongest sound method, where the model supports it, else "
-         "lofast (a one-line note says why)]",
+         f"{_methods_help()}; lofast for a ViT taylor cannot bound, with a "
+         "one-line note]",
 )
 @click.option(
     "--radius",

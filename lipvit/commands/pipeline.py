@@ -50,7 +50,12 @@ from lipvit.commands.spectrum import output_paths as spectrum_paths
 from lipvit.commands.spectrum import spectrum
 from lipvit.commands.tightness import output_paths as tightness_paths
 from lipvit.commands.tightness import tightness
-from lipvit.commands.train import DEFAULT_PRESET, FALLBACK_PRESET, train_command
+from lipvit.commands.train import (
+    DEFAULT_PRESET,
+    FALLBACK_PRESET,
+    preset_help,
+    train_command,
+)
 from lipvit.config import PRESETS
 from lipvit.data import DATASETS, check_data_dir, default_dirs_text
 from lipvit.errors import LipvitError
@@ -346,8 +351,7 @@ def write_report(plan: Plan, record: dict[str, Any]) -> Path:
     default=None,
     type=click.Choice(tuple(PRESETS)),
     help="model size for all three models (default: `lipvit train`'s "
-    "per-dataset and per-family preset: digits-tiny/digits-small on digits, "
-    "fmnist-3x64/fmnist-cait on fashion-mnist)",
+    f"per-dataset and per-family preset: {preset_help()})",
 )
 @click.option(
     "--epochs",

@@ -1,0 +1,149 @@
+"""How much of what attacks leave standing each certificate proves, on
+checkpoints of the lipschitz family (hybrid ViT, CaiT with class attention's
+content logits held at a norm: ``lipvit train ... --content-norm C``).
+
+On the first ``--n`` Fashion-MNIST test images, for each ``--ckpt NAME=PATH``:
+
+- certified accuracy at every ``--eps`` by ``global`` (the proven global
+  constant), ``ball`` (local constants over the ε-ball) and ``margin`` (the
+  margin's first-order term through attention plus proven remainders, never
+  weaker than ``ball``), and each one's median certified radius;
+- robust accuracy under PGD-ℓ2 and APGD (``--steps`` steps, ``--restarts``
+  random starts), and with ``--attack-radius`` the median attack radius (the
+  smallest adversarial radius found,
+  :func:`lipvit.analysis.attack_radius.attack_radius`);
+- the certified points that the attacks break (none, or a bound is wrong).
+
+Writes ``OUT/gap_table.json`` and ``OUT/gap_table.png`` (one panel per model:
+certified accuracy of each method and the attacks' ceiling against ε).
+
+Usage::
+
+    python bench/studies/gap_table.py --ckpt c2=runs/c2.pt --ckpt hybrid=runs/h.pt \\
+        --data-dir /usr/share/datasets/fashion-mnist --n 300 --out docs/figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from lipvit.analysis.attack_radius import RadiusSettings, attack_radius  # noqa: E402
+from lipvit.analysis.attacks import robust_accuracy  # noqa: E402
+from lipvit.certify.evaluate import certify_samples  # noqa: E402
+
+from lipvit.checkpoint import load_checkpoint  # noqa: E402
+from lipvit.data import load_dataset  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
+
+METHODS = ("global", "ball", "margin")
+
+
+def measure(model, x, y, eps_list, steps: int, restarts: int, search: bool) -> dict:
+    """Certified and attacked accuracy, median radii (the attacks' with
+    ``search``) and broken points."""
+    t0 = time.perf_counter()
+    report = certify_samples(model, x, y, list(METHODS), eps_list, radius=True,
+                             batch_size=50)
+    seconds = time.perf_counter() - t0
+    out = {"clean": report.clean_accuracy, "certify_seconds": seconds,
+           "seconds_per_point_per_eps": {
+               r.method: r.seconds_per_sample for r in report.results
+               if r.eps == eps_list[0]}}
+    for method in METHODS:
+        r = report.radii[method]
+        out[method] = {"certified": {e: float((r >= e).double().mean())
+                                     for e in eps_list},
+                       "median_radius": float(r.median())}
+    model64 = model.double().eval()
+    out["attacked"], out["broken"] = {}, {}
+    for e in eps_list:
+        alive = torch.as_tensor(robust_accuracy(
+            model64, x.double(), y, ["pgd-l2", "apgd"], e, norm="l2", steps=steps,
+            restarts=restarts).worst_case)
+        out["attacked"][e] = float(alive.double().mean())
+        certified = torch.zeros_like(alive)
+        for method in METHODS:
+            certified |= report.radii[method].cpu() >= e
+        out["broken"][e] = int((certified & ~alive).sum())
+    if search:
+        radius = attack_radius(model64, x.double(), y,
+                               RadiusSettings(steps=steps, restarts=restarts)).radius
+        out["attack_median_radius"] = float(torch.as_tensor(radius).median())
+    return out
+
+
+def plot(results: dict, eps_list, path: Path) -> None:
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4),
+                             squeeze=False)
+    for ax, (name, r) in zip(axes[0], results.items(), strict=True):
+        ax.plot(eps_list, [r["attacked"][e] for e in eps_list], "k--", marker="x",
+                label="attacked (PGD-ℓ2, APGD)")
+        for method, style in zip(METHODS, ("C2:", "C0-", "C3-"), strict=True):
+            ax.plot(eps_list, [r[method]["certified"][e] for e in eps_list], style,
+                    marker="o", label=f"{method} (certified)")
+        ax.set_title(f"{name}: clean {100 * r['clean']:.1f} %")
+        ax.set_xlabel("ε (ℓ2, pixels in [0, 1])")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Certified vs attacked, Fashion-MNIST test points "
+                 f"({platform.machine()}, {torch.get_num_threads()}-thread CPU)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", action="append", required=True, help="NAME=PATH")
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--n", type=int, default=300)
+    p.add_argument("--eps", default="0.1,0.25,0.5,1.0")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--restarts", type=int, default=2)
+    p.add_argument("--attack-radius", action="store_true",
+                   help="also search each point's smallest adversarial radius "
+                        "(CW and bisection: the slowest part)")
+    p.add_argument("--threads", type=int, default=1)
+    add_out(p, __file__)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    eps_list = [float(e) for e in args.eps.split(",")]
+    data = load_dataset("fashion-mnist", args.data_dir)
+    x, y = data.x_test[:args.n], data.y_test[:args.n]
+    results = {}
+    for text in args.ckpt:
+        name, _, path = text.partition("=")
+        model = load_checkpoint(path).model.eval()
+        results[name] = {"checkpoint": path, "n": args.n,
+                         **measure(model, x, y, eps_list, args.steps, args.restarts,
+                                    args.attack_radius)}
+        r = results[name]
+        print(f"{name}: clean {r['clean']:.3f}; "
+              + "; ".join(f"{m} " + "/".join(f"{r[m]['certified'][e]:.3f}"
+                                            for e in eps_list)
+                          + f" median {r[m]['median_radius']:.3f}" for m in METHODS)
+              + "; attacked " + "/".join(f"{r['attacked'][e]:.3f}" for e in eps_list)
+              + (f" median {r['attack_median_radius']:.3f}"
+                 if "attack_median_radius" in r else "")
+              + f"; broken {sum(r['broken'].values())}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(results, eps_list, args.out / "gap_table.png")
+    write_json(args.out, __file__, {"eps": eps_list, "machine": platform.machine(),
+                                    "threads": args.threads, "results": results})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
