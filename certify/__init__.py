@@ -1,6 +1,8 @@
 """Certified bounds on the local sensitivity of ViTs, and certification.
 
-Public entry points (``__all__``): the network bound and certification of a
+Public entry points (``__all__``): :class:`Certifier` (a model's certifier for
+one method: build once, then ``certify(x, y, eps)`` returns tensors), the
+network bound and certification of a
 batch (:func:`network_bound`, :func:`certify_samples`, :func:`certified_radius`,
 :func:`is_certified`, :func:`margin`) and the per-layer attention bounds
 (:func:`lofast_bound`, LoFAST Theorem 1; :func:`specformer_bound`, SpecFormer
@@ -12,6 +14,8 @@ whatever the model's dtype. Everything else is internal to its submodule.
 from lipvit._lazy import lazy_getattr
 
 _PUBLIC = {
+    "Certifier": ".certifier",
+    "Certified": ".certifier",
     "NetworkBound": ".lofast.network",
     "network_bound": ".lofast.network",
     "CertifyReport": ".evaluate",

@@ -14,6 +14,8 @@ _PUBLIC = {
     "ViTConfig": ".config",
     "preset": ".config",
     "ViT": ".model",
+    "Certifier": ".certify.certifier",
+    "Certified": ".certify.certifier",
     "ablate_attention": ".ablation",
     "Checkpoint": ".checkpoint",
     "load_checkpoint": ".checkpoint",

@@ -15,14 +15,16 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 PUBLIC = {
     "lipvit": [
-        "Checkpoint", "Dataset", "PRESETS", "TrainConfig", "ViT", "ViTConfig",
+        "Certified", "Certifier", "Checkpoint", "Dataset", "PRESETS", "TrainConfig",
+        "ViT", "ViTConfig",
         "__version__", "ablate_attention", "load_checkpoint", "load_dataset",
         "load_timm", "preset",
         "save_checkpoint", "save_hf", "save_timm", "train", "train_config_for",
         "vit_from_hf", "vit_from_timm",
     ],
     "certify": [
-        "CertifyReport", "NetworkBound", "TaylorBound", "certified_radius",
+        "Certified", "Certifier", "CertifyReport", "NetworkBound", "TaylorBound",
+        "certified_radius",
         "certify_samples", "is_certified", "lofast_bound", "margin", "network_bound",
         "specformer_bound", "taylor_bound",
     ],
@@ -114,7 +116,11 @@ def _public_names_used(code: str) -> set[tuple[str, str]]:
 def test_readme_python_quickstart_runs_verbatim(digits, tmp_path, monkeypatch,
                                                 capsys) -> None:
     """The README's Python lines, run as they are on a tiny untrained checkpoint
-    ``lip.pt``: at most five lines, public names only, taylor's records printed."""
+    ``lip.pt``: at most five lines, public names only; the Certifier's tensors
+    agree with each other (certified at ε exactly where the radius reaches
+    it) and with ``certify_samples``."""
+    from lipvit.certify.evaluate import certify_samples
+
     import lipvit
 
     code = readme_python_quickstart()
@@ -127,7 +133,14 @@ def test_readme_python_quickstart_runs_verbatim(digits, tmp_path, monkeypatch,
     lipvit.save_checkpoint(tmp_path / "lip.pt", lipvit.ViT(tiny_config("lipschitz")),
                            dataset=digits)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, str(README), "exec"), {})
-    (record,) = ast.literal_eval(capsys.readouterr().out.strip())
-    assert (record["method"], record["eps"], record["exact"]) == ("taylor", 0.05, True)
-    assert 0 <= record["certified_accuracy"] <= record["clean_accuracy"] <= 1
+    scope: dict = {}
+    exec(compile(code, str(README), "exec"), scope)
+    out, cert = scope["out"], scope["cert"]
+    assert cert.method == "taylor"
+    assert out.certified.shape == (8, 2) and out.radius.shape == (8,)
+    assert torch.equal(out.certified, out.radius[:, None] >= out.eps)
+    report = certify_samples(scope["model"], digits.x_test[:8], digits.y_test[:8],
+                             ["taylor"], [0.02, 0.05])
+    for e, eps in enumerate((0.02, 0.05)):
+        assert torch.equal(out.certified[:, e], report.certified[f"taylor@{eps}"])
+    assert capsys.readouterr().out.strip()
