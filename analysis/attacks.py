@@ -500,7 +500,8 @@ def robust_accuracy(model: nn.Module, x: Tensor, y: Tensor, attacks: Sequence[st
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(jobs), desc=f"attacks ε={eps:.4g}", leave=False)
+        bar = tqdm(total=len(jobs), desc=f"attacks ε={eps:.4g}", leave=False,
+                   disable=None)  # quiet where stderr is not a terminal
     for name in attacks:
         survived = clean.clone()
         n_rejected = 0

@@ -129,3 +129,17 @@ def test_nothing_certified_names_the_stronger_method_first(ckpt):
     assert "--method" not in line
     assert line == ("nothing is certified at these eps with taylor: use a smaller "
                     "--eps, or --radius for every point's certified radius")
+
+
+def test_threads_and_no_progress_bar_off_a_terminal(ckpt):
+    """--threads sets the command's CPU threads and restores them after; the
+    progress bar stays quiet where stderr is not a terminal (CliRunner's)."""
+    import torch
+
+    before = torch.get_num_threads()
+    result = CliRunner().invoke(main, ["certify", "--ckpt", str(ckpt), "--eps",
+                                       "0.01", "--method", "lofast", "--n", "4",
+                                       "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    assert torch.get_num_threads() == before
+    assert "samples [" not in result.output and "certify:" not in result.output

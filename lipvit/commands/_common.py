@@ -13,6 +13,7 @@ as one line.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -53,6 +54,24 @@ def ckpt_option(multiple: bool = False) -> Callable:
         help="checkpoint written by `lipvit train`, a transformers ViT directory "
         "or timm-layout weights (.safetensors/.pth with a .json beside)"
         + (" (repeatable)" if multiple else ""))
+
+
+def threads_option(command: Callable) -> Callable:
+    """``--threads N``: the CPU threads the command computes with (0: torch's
+    default), restored when the command ends. Put it next to the function."""
+
+    @functools.wraps(command)
+    def run(*args, threads: int, **kwargs):
+        if threads:
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            click.get_current_context().call_on_close(
+                lambda: torch.set_num_threads(before))
+        return command(*args, **kwargs)
+
+    return click.option(
+        "--threads", type=click.IntRange(min=0), default=0, show_default=True,
+        help="CPU threads; 0: torch's default")(run)
 
 
 device_option = click.option(

@@ -111,6 +111,7 @@ def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int 
 @C.json_option
 @C.csv_option
 @C.force_option
+@C.threads_option
 def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
            norm: str | None, preset: str | None, steps: int | None,
            alpha_text: str | None, restarts: int | None, seed: int, radius: bool,

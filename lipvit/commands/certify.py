@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import click
@@ -244,6 +245,7 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
 @C.json_option
 @C.csv_option
 @C.force_option
+@C.threads_option
 def certify(
     ckpt: Path,
     eps_text: tuple[str, ...],
@@ -430,7 +432,7 @@ def _certify_shard(model, x, y, methods, eps_list, radius_tol, batch_size, confi
     with (
         cpu_threads(config, x.device),
         tqdm(total=len(y), desc="certify", bar_format=bar_format,
-             leave=False, disable=not show) as bar,
+             leave=False, disable=not show or not sys.stderr.isatty()) as bar,
     ):
         report = certify_samples(
             model,

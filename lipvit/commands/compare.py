@@ -77,6 +77,7 @@ def reproduce_command(out: Path, settings) -> str:
 @C.force_option
 @click.option("--progress/--no-progress", default=False, show_default=True,
               help="Training progress bars (stderr).")
+@C.threads_option
 def compare(out: Path, dataset: str, data_dir: Path | None, preset_name: str,
             attention: str, msvp: float, epochs: int | None, eps_linf: str,
             eps_l2: str, n: int | None, attack_steps: int | None,

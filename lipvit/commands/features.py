@@ -33,6 +33,7 @@ FILES = ("tsne.png", "features.json", "tsne.csv")
 @C.data_options
 @C.pdf_option
 @C.force_option
+@C.threads_option
 def features(ckpt: Path, out: Path, attack_name: str, eps_text: str, norm: str,
              steps: int, seed: int, color_by: str, n: int, batch_size: int, device: str,
              dataset: str | None, data_dir: Path | None, pdf: bool,

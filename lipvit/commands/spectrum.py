@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -268,7 +269,8 @@ def spectrum(
         C.check_vit(one, "lipvit spectrum")
     data = None
     results = {}
-    with tqdm(total=len(loaded), desc="spectrum", leave=False, unit="ckpt") as bar:
+    with tqdm(total=len(loaded), desc="spectrum", leave=False, unit="ckpt",
+              disable=not sys.stderr.isatty()) as bar:
         for label, ck in zip(names, loaded, strict=True):
             d = C.load_test_set(
                 ck, n=n, dataset=dataset, data_dir=data_dir, device=device

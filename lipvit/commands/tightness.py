@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -266,6 +267,7 @@ def tightness(
         )
     # PGD, one stage per ε, is most of the time: the percentage counts its stages.
     bar = tqdm(desc="bounds", total=len(eps), leave=False,
+               disable=not sys.stderr.isatty(),
                bar_format="tightness: {percentage:3.0f}% {desc} ({elapsed})")
     with bar, cpu_threads(model.config, C.resolve_device(device), threads):
 

@@ -5,6 +5,7 @@ epochs) and :func:`train_step`, one optimisation step.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -303,7 +304,7 @@ def _train(
             total=steps_per_epoch,
             desc=f"epoch {epoch + 1}/{cfg.epochs}",
             leave=False,
-            disable=not progress or rank != 0,
+            disable=not progress or rank != 0 or not sys.stderr.isatty(),
             dynamic_ncols=True,
         )
         for i in range(steps_per_epoch):
