@@ -270,8 +270,11 @@ def certify(
 ) -> None:
     """Certified accuracy at each EPS for each METHOD (LoFAST Prop. 1: margin > √2·δ).
 
-    Without --method: `taylor`, the strongest sound method, where the model
-    supports it, else `lofast` (a one-line note says why). When nothing is
+    Without --method: the architecture's default (--method's help): `taylor`
+    on lipvit's ViT where it can bound it (else `lofast`, with a one-line
+    note), `ball` on the hybrid ViT and CaiT. `margin` (those two) is never
+    weaker than `ball` and follows each margin through attention, several
+    times slower. When nothing is
     certified the last line names a stronger method, if one was not used,
     before suggesting a smaller eps. taylor's radius search (its costly part)
     runs only with --radius: a run with taylor or cascade-taylor computes radii
