@@ -7,6 +7,11 @@ summary) on the x axis and its certified accuracy at each requested ε, for one
 method, on the y axis. Training for certificates (``--margin``,
 ``--relu-stability``, ``--cert-eps``) moves a model along this plane: up is
 more certified points, left is less accuracy.
+
+``smoothing`` certifies the *smoothed* classifier, not the network: its clean
+point is the smoothed classifier's accuracy on the certified points
+(:func:`smoothed_accuracy`, abstentions counting as wrong), never the network's
+``clean_accuracy``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,28 @@ def certified_at(data: Mapping, method: str, eps: float, where: str) -> float:
                    for r in data.get("results") or []})
     raise ValueError(f"{where}: no {method} result at eps {eps:g} "
                      f"(it has {', '.join(f'{m}@{e:g}' for m, e in have) or 'none'})")
+
+
+def smoothed_accuracy(data: Mapping, where: str) -> float:
+    """The smoothed classifier's accuracy in a certify JSON with ``smoothing``:
+    its ``smoothing.smoothed_accuracy`` or, in a file written before that key,
+    the fraction of ``samples`` whose ``smoothing.prediction`` is the label
+    (abstentions, −1, count as wrong). ``ValueError`` naming ``where`` if the
+    file has neither."""
+    block = data.get("smoothing")
+    acc = block.get("smoothed_accuracy") if isinstance(block, Mapping) else None
+    if isinstance(acc, int | float) and not isinstance(acc, bool):
+        return float(acc)
+    samples = data.get("samples") or []
+    if samples and all(isinstance(s, Mapping) and isinstance(s.get("smoothing"),
+                                                             Mapping)
+                       for s in samples):
+        right = sum(s["smoothing"].get("prediction") == s.get("label")
+                    for s in samples)
+        return right / len(samples)
+    raise ValueError(f"{where}: no smoothed classifier accuracy (smoothing."
+                     "smoothed_accuracy, or per-sample smoothing predictions): "
+                     "certify it with `lipvit certify --method smoothing --json`")
 
 
 def _label_coinciding(ax, p: TradeoffPoint, colour: str) -> None:

@@ -84,7 +84,8 @@ class Certifier:
                 index: Sequence[int] | None = None) -> Certified:
         """Certify images ``x`` ``(n, C, S, S)`` in [0, 1] with labels ``y``
         ``(n,)`` at each radius of ``eps`` (a float or a list); ``index``
-        seeds ``smoothing``'s noise per point (default ``0..n−1``)."""
+        (the test-set indices) seeds ``smoothing``'s noise per point,
+        reproducibly; without it each call draws fresh noise."""
         eps_list = [float(e) for e in check_eps_list(
             [eps] if isinstance(eps, int | float) else list(eps))]
         grid = torch.tensor(eps_list, dtype=torch.float64)

@@ -168,6 +168,12 @@ class CertifyReport:
     ``radii`` maps each bound method to ``(n,)`` certified radii (when asked);
     ``smoothing`` holds the per-point outcome of ``smoothing`` (its radii in
     ``radii`` are 0 where the smoothed prediction is not the label).
+
+    Two classifiers, two accuracies: :attr:`clean_accuracy` is the **network's**
+    (``predictions``, the float64 forward pass on the clean images), whatever
+    the methods; with ``smoothing``, :attr:`smoothed_accuracy` and
+    :attr:`abstain_rate` are the **smoothed classifier's** (its CERTIFY
+    predictions), the accuracy its certified accuracies are bounded by.
     """
 
     n: int
@@ -181,15 +187,39 @@ class CertifyReport:
 
     @property
     def clean_accuracy(self) -> float:
+        """The network's accuracy on the clean points (not the smoothed
+        classifier's: :attr:`smoothed_accuracy`)."""
         return float((self.predictions == self.labels).float().mean())
 
+    @property
+    def smoothed_accuracy(self) -> float | None:
+        """With ``smoothing``: the smoothed classifier's accuracy, the fraction
+        of the ``n`` points where CERTIFY predicts the label (abstentions count
+        as wrong); else None."""
+        if self.smoothing is None:
+            return None
+        return self.smoothing.accuracy(self.labels)
+
+    @property
+    def abstain_rate(self) -> float | None:
+        """With ``smoothing``: the fraction of the ``n`` points where CERTIFY
+        abstains; else None."""
+        return None if self.smoothing is None else self.smoothing.abstain_rate
+
     def to_records(self) -> list[dict]:
-        """One plain dict per (method, ε): the rows of ``lipvit certify``'s CSV."""
+        """One plain dict per (method, ε): the rows of ``lipvit certify``'s CSV.
+        ``clean_accuracy`` is the network's on every row; ``smoothing`` rows
+        also carry ``smoothed_accuracy`` and ``abstain_rate`` (the smoothed
+        classifier's)."""
         rows = []
         for r in self.results:
             row = r.to_dict()
             row["clean_accuracy"] = self.clean_accuracy
+            if r.method == "smoothing" and self.smoothing is not None:
+                row["smoothed_accuracy"] = self.smoothed_accuracy
+                row["abstain_rate"] = self.abstain_rate
             rows.append({k: row[k] for k in ("method", "eps", "clean_accuracy",
+                                             "smoothed_accuracy", "abstain_rate",
                                              *row) if k in row})
         return rows
 
@@ -345,7 +375,9 @@ def certify_samples(
         smoothing: the settings of ``smoothing`` (required with it), whose
             ``batch_size`` is its noisy copies per forward pass.
         index: ``(n,)`` the samples' test-set indices, which seed
-            ``smoothing``'s noise per point (default ``0..n-1``).
+            ``smoothing``'s noise per point (reproducible, whatever the
+            batches or shards); ``None``: fresh noise for this call
+            (:func:`lipvit.certify.smoothing.certify_smoothed`).
 
     Returns:
         A :class:`CertifyReport`; ``seconds_per_sample`` of a (method, ε) row is

@@ -36,10 +36,14 @@ R          ``radius``      σ Φ⁻¹(p̲_A), Theorem 1 with p̄_B = 1 − p̲_A
 The base classifier ``f`` is the model in float32 (a float32 checkpoint's
 weights round-trip exactly through the float64 copy the other methods use),
 argmax of the logits, evaluated under :func:`torch.inference_mode` on the
-model's device, ``batch_size`` noisy copies per forward pass. Every point's
-noise comes from its own generator, seeded by ``(seed, index)``: a point's
-result does not depend on which other points, or which ``torchrun`` rank,
-share its run. Nothing is clipped to ``[0, 1]``, as in Cohen et al.
+model's device, ``batch_size`` noisy copies per forward pass. Given the
+points' test-set indices (``lipvit certify`` always passes them), every
+point's noise comes from its own generator, seeded by ``(seed, index)``: a
+point's result is reproducible and does not depend on which other points, or
+which ``torchrun`` rank, share its run. Without indices, each call draws fresh
+noise (:func:`call_seed`: a seed taken from torch's global generator), so two
+calls, or two batches, never share their noise. Nothing is clipped to
+``[0, 1]``, as in Cohen et al.
 
 Shapes: ``B`` points, ``K`` classes, images ``(B, C, S, S)``.
 """
@@ -83,7 +87,8 @@ class SmoothingConfig:
         n_noise: estimation draws ``n``.
         alpha: failure probability per point, in ``(0, 1)``.
         batch_size: noisy copies per forward pass.
-        seed: seeds each point's noise together with its test-set index.
+        seed: seeds each point's noise together with its test-set index
+            (or, without indices, with a draw of torch's global generator).
     """
 
     sigma: float
@@ -146,6 +151,19 @@ def point_seed(seed: int, index: int) -> int:
     return int(state[0])
 
 
+def call_seed(seed: int) -> int:
+    """The seed of one call's noise generator when no indices are given: the
+    run's ``seed`` mixed (NumPy ``SeedSequence``) with 63 bits drawn from
+    torch's global generator, which advances with every call. Calls (and
+    batches) draw independent noise; ``torch.manual_seed`` makes a sequence of
+    calls reproducible. The third entropy word keeps these seeds apart from
+    :func:`point_seed`'s."""
+    draw = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    state = np.random.SeedSequence([int(seed), draw, 1]).generate_state(
+        1, dtype=np.uint64)
+    return int(state[0])
+
+
 def base_classifier(model: nn.Module) -> nn.Module:
     """The base classifier ``f``: a private float32 copy of ``model`` in eval
     mode, without gradients (``model`` untouched)."""
@@ -202,6 +220,23 @@ class SmoothingCertificate:
     counts: Tensor
     p_lower: Tensor
     radius: Tensor
+
+    def correct(self, y: Tensor) -> Tensor:
+        """``(B,)`` bool: the smoothed classifier predicts the label ``y`` (an
+        abstention, −1, is never correct)."""
+        return self.prediction == y.cpu()
+
+    def accuracy(self, y: Tensor) -> float:
+        """The smoothed classifier's accuracy on these points: the fraction
+        whose prediction is the label ``y``, abstentions counting as wrong
+        (NaN for no points)."""
+        return float(self.correct(y).double().mean())
+
+    @property
+    def abstain_rate(self) -> float:
+        """The fraction of the points where CERTIFY abstains (prediction −1;
+        NaN for no points)."""
+        return float((self.prediction < 0).double().mean())
 
     def certified(self, y: Tensor, eps: float) -> Tensor:
         """``(B,)`` bool: the smoothed classifier predicts the label ``y`` and its
@@ -283,8 +318,12 @@ def certify_smoothed(model: nn.Module, x: Tensor, config: SmoothingConfig, *,
             (:func:`base_classifier`), on its own device.
         config: :class:`SmoothingConfig`.
         num_classes: ``K`` (default: the model's ``config.num_classes``).
-        index: ``(B,)`` the points' test-set indices, which seed their noise
-            with ``config.seed`` (default ``0..B-1``).
+        index: ``(B,)`` the points' test-set indices, which seed each point's
+            noise with ``config.seed`` (:func:`point_seed`): reproducible, and
+            independent of the batch a point is in. ``None``: fresh noise for
+            this call (one generator seeded by :func:`call_seed`, drawn in
+            order through the points), independent of every other call's, so
+            the same image twice, in one call or in two, gets different noise.
         progress: called with fractions of a point as the draws go.
 
     Returns:
@@ -294,15 +333,23 @@ def certify_smoothed(model: nn.Module, x: Tensor, config: SmoothingConfig, *,
     device = next(f.parameters(), torch.empty(0)).device
     x = x.to(device=device, dtype=torch.float32)
     K = num_classes if num_classes is not None else model.config.num_classes
-    index = list(range(len(x))) if index is None else [int(i) for i in index]
-    if len(index) != len(x):
-        raise ValueError(f"{len(index)} indices for {len(x)} images")
+    shared = None  # index None: one generator for the whole call
+    if index is None:
+        shared = torch.Generator(device=device)
+        shared.manual_seed(call_seed(config.seed))
+    else:
+        index = [int(i) for i in index]
+        if len(index) != len(x):
+            raise ValueError(f"{len(index)} indices for {len(x)} images")
     per_point = config.n0 + config.n_noise
     advance = None if progress is None else (lambda b: progress(b / per_point))
     selected, prediction, counts, p_lower, radius = [], [], [], [], []
     for i in range(len(x)):
-        gen = torch.Generator(device=device)
-        gen.manual_seed(point_seed(config.seed, index[i]))
+        if shared is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(point_seed(config.seed, index[i]))
+        else:
+            gen = shared
         first = sample_counts(f, x[i], config.n0, config.sigma, K,
                               config.batch_size, gen, advance)
         c = int(first.argmax())  # ties: the smallest class

@@ -48,9 +48,9 @@ def test_smoothing_returns_counts_and_lower_bounds(digits):
     x, y = digits.x_test[:4], digits.y_test[:4]
     config = SmoothingConfig(sigma=0.25, n0=10, n_noise=200, batch_size=200)
     out = lipvit.Certifier(model, method="smoothing", smoothing=config).certify(
-        x, y, [0.1])
+        x, y, [0.1], index=range(4))  # indices seed the noise: same draws below
     report = certify_samples(model, x, y, ["smoothing"], [0.1], radius=True,
-                             smoothing=config)
+                             smoothing=config, index=range(4))
     assert out.counts.shape == (4, 10) and torch.all(out.counts.sum(1) == 200)
     assert torch.equal(out.prediction, report.smoothing.prediction)
     assert torch.equal(out.p_lower, report.smoothing.p_lower)

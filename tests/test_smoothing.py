@@ -120,7 +120,7 @@ def test_threshold_classifier_radius_against_its_known_p_a(distance):
     cfg = SmoothingConfig(sigma=SIGMA, n0=100, n_noise=n, alpha=0.001,
                           batch_size=4096, seed=1)
     out = certify_smoothed(Threshold(0.4), _image(0.4 + distance), cfg,
-                           num_classes=2)
+                           num_classes=2, index=[0])
     p_a = NormalDist().cdf(distance / SIGMA)
     assert out.prediction.tolist() == [1] and int(out.counts.sum()) == n
     assert out.p_lower[0] <= p_a
@@ -135,7 +135,8 @@ def test_abstention_is_not_certified():
     # x0 = t exactly: p_A = 1/2, so the lower bound is below 1/2 and CERTIFY
     # abstains: prediction -1, radius 0, certified at no eps whatever the label.
     cfg = SmoothingConfig(sigma=SIGMA, n0=100, n_noise=4000, batch_size=1024)
-    out = certify_smoothed(Threshold(0.4), _image(0.4), cfg, num_classes=2)
+    out = certify_smoothed(Threshold(0.4), _image(0.4), cfg, num_classes=2,
+                           index=[0])
     assert out.prediction.tolist() == [-1] and out.radius.tolist() == [0.0]
     assert out.p_lower[0] < 0.5
     for y in (0, 1):
@@ -196,7 +197,7 @@ def test_pgd_on_the_smoothed_classifier_does_not_flip_a_certified_point(
     x, y = digits.x_test[:12], digits.y_test[:12]
     cfg = SmoothingConfig(sigma=SIGMA, n0=50, n_noise=2000, alpha=0.001,
                           batch_size=1024)
-    cert = certify_smoothed(noisy_vit, x, cfg)
+    cert = certify_smoothed(noisy_vit, x, cfg, index=range(12))
     ok = (cert.prediction == y) & (cert.radius > 0.05)
     assert int(ok.sum()) >= 4
     xs, ys, r = x[ok], y[ok], cert.radius[ok].float()
@@ -217,7 +218,7 @@ def test_pgd_on_the_smoothed_classifier_does_not_flip_a_certified_point(
 def test_attack_radius_is_above_the_certified_radius(noisy_vit, digits):
     x, y = digits.x_test[:6], digits.y_test[:6]
     cfg = SmoothingConfig(sigma=SIGMA, n0=50, n_noise=2000, batch_size=1024)
-    cert = certify_smoothed(noisy_vit, x, cfg)
+    cert = certify_smoothed(noisy_vit, x, cfg, index=range(6))
     ok = (cert.prediction == y) & (cert.radius > 0)
     assert ok.any()
     settings = SmoothAttackSettings(sigma=SIGMA, steps=10, m=16, n_predict=500,

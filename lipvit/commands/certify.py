@@ -462,14 +462,37 @@ EXACT_TEXT = {"deterministic": "yes", "estimate": "no (estimate)",
 
 
 def _smoothing_lines(report: CertifyReport, smoothing: SmoothingConfig) -> list[str]:
-    """What ``smoothing``'s rows mean, and the smoothed classifier's accuracy."""
-    s = report.smoothing
-    correct = float((s.prediction == report.labels.cpu()).float().mean())
-    abstained = int((s.prediction < 0).sum())
+    """What ``smoothing``'s rows mean, and the smoothed classifier's accuracy
+    beside the network's."""
+    abstained = int((report.smoothing.prediction < 0).sum())
     return [f"smoothing: {smoothing.describe()}; n0 = {smoothing.n0}, n_noise = "
             f"{smoothing.n_noise}",
-            f"smoothed classifier: accuracy {correct:.4f} (abstentions count as "
-            f"wrong), {abstained} of {report.n} abstained"]
+            f"smoothed classifier: accuracy {report.smoothed_accuracy:.4f} "
+            f"(abstentions count as wrong), {abstained} of {report.n} abstained "
+            f"(abstain rate {report.abstain_rate:.4f}); network clean accuracy "
+            f"{report.clean_accuracy:.4f}"]
+
+
+def _headline(report: CertifyReport, ckpt: Path, dataset: str) -> str:
+    """The line above the table: the network's clean accuracy, and with
+    ``smoothing`` the smoothed classifier's accuracy, each named for its
+    classifier."""
+    if report.smoothing is None:
+        return (f"{ckpt}  dataset={dataset}  n={report.n}  "
+                f"clean accuracy={report.clean_accuracy:.4f}")
+    return (f"{ckpt}  dataset={dataset}  n={report.n}  "
+            f"network clean accuracy={report.clean_accuracy:.4f}  "
+            f"smoothed classifier accuracy={report.smoothed_accuracy:.4f}  "
+            f"abstain rate={report.abstain_rate:.4f}")
+
+
+def smoothing_record(report: CertifyReport, smoothing: SmoothingConfig) -> dict:
+    """The JSON's ``smoothing`` object: the settings, the guarantee in words and
+    the smoothed classifier's ``smoothed_accuracy`` and ``abstain_rate`` on the
+    ``n`` points (the top-level ``clean_accuracy`` stays the network's)."""
+    return {**dataclasses.asdict(smoothing), "guarantee": smoothing.describe(),
+            "smoothed_accuracy": report.smoothed_accuracy,
+            "abstain_rate": report.abstain_rate}
 
 
 def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[str],
@@ -479,10 +502,7 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
     """Print the tables and write the JSON/CSV of the merged report
     (``stronger``: the method to suggest when nothing is certified)."""
     rows = report.to_records()
-    click.echo(
-        f"{ckpt}  dataset={data.dataset}  n={report.n}  "
-        f"clean accuracy={report.clean_accuracy:.4f}"
-    )
+    click.echo(_headline(report, ckpt, data.dataset))
     click.echo(
         C.format_table(
             ["method", "eps", "certified acc", "s/sample", "exact"],
@@ -523,9 +543,8 @@ def _report(report: CertifyReport, ckpt: Path, data: C.TestSet, methods: list[st
                 "clean_accuracy": report.clean_accuracy,
                 "results": [r.to_dict() for r in report.results],
                 "quantities": {m: QUANTITIES[m] for m in methods if m in QUANTITIES},
-                **({} if smoothing is None else {"smoothing": {
-                    **dataclasses.asdict(smoothing),
-                    "guarantee": smoothing.describe()}}),
+                **({} if smoothing is None
+                   else {"smoothing": smoothing_record(report, smoothing)}),
                 "samples": report.sample_records(data.index),
             },
             force,

@@ -277,7 +277,9 @@ def _radius_methods(data: Any) -> list[str]:
 @click.option("--clean", type=click.Choice(["points", "test"]), default="points",
               show_default=True,
               help="x axis: clean accuracy on the certified points, or on the whole "
-                   "test set (the training summary beside the checkpoint)")
+                   "test set (the training summary beside the checkpoint); "
+                   "--method smoothing: the smoothed classifier's accuracy on the "
+                   "certified points (points only)")
 @click.option("--title", default=None)
 @C.pdf_option
 @C.force_option
@@ -286,14 +288,26 @@ def tradeoff(results: tuple[Path, ...], out: Path, eps_text: str, method: str,
              force: bool) -> None:
     """Clean accuracy against certified accuracy at EPS, one point per training
     setting: each RESULTS file is the `lipvit certify --json` output of one
-    model (e.g. plain, --margin, --relu-stability, --cert-eps)."""
+    model (e.g. plain, --margin, --relu-stability, --cert-eps). With --method
+    smoothing the clean point is the smoothed classifier's accuracy
+    (abstentions count as wrong), not the network's."""
     from lipvit.analysis.plots import figure_paths
-    from lipvit.analysis.tradeoff import TradeoffPoint, certified_at, plot_tradeoff
+    from lipvit.analysis.tradeoff import (
+        TradeoffPoint,
+        certified_at,
+        plot_tradeoff,
+        smoothed_accuracy,
+    )
     from lipvit.train import summary_path
 
     targets = figure_paths(out, pdf)
     C.check_writable(targets, force)
     eps_list = C.parse_floats(eps_text, "eps")
+    smoothed = method == "smoothing"
+    if smoothed and clean == "test":
+        raise LipvitError("--clean test is the network's test accuracy; smoothing's "
+                          "clean point is the smoothed classifier's accuracy on the "
+                          "certified points: use --clean points")
     if labels and len(labels) != len(results):
         raise LipvitError(f"--label given {len(labels)} times for {len(results)} "
                           "files; give one per file or none")
@@ -305,7 +319,9 @@ def tradeoff(results: tuple[Path, ...], out: Path, eps_text: str, method: str,
         if _kind(path, data) != "certify":
             raise LipvitError(f"{path}: an attack file; tradeoff needs "
                               "`lipvit certify --json` files")
-        if clean == "points":
+        if smoothed:
+            acc = smoothed_accuracy(data, str(path))
+        elif clean == "points":
             acc = data.get("clean_accuracy")
         else:
             ckpt = data.get("checkpoint")
@@ -318,7 +334,8 @@ def tradeoff(results: tuple[Path, ...], out: Path, eps_text: str, method: str,
             raise LipvitError(f"{path}: no clean accuracy")
         points.append(TradeoffPoint(name, float(acc), {
             e: certified_at(data, method, e, str(path)) for e in eps_list}))
-    x_label = ("clean accuracy (certified points)" if clean == "points"
+    x_label = ("smoothed classifier accuracy (certified points)" if smoothed
+               else "clean accuracy (certified points)" if clean == "points"
                else "test accuracy")
     plot_tradeoff(points, method=method, clean_label=x_label, title=title, path=out,
                   pdf=pdf)
