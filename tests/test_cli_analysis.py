@@ -91,7 +91,7 @@ def test_attack_files_agree_with_table(ckpt, tmp_path):
 
 def test_attack_preset(ckpt, tmp_path):
     js = tmp_path / "st.json"
-    r = run("attack", "--ckpt", ckpt, "--preset", "specformer-st", "--n", "20",
+    r = run("attack", "--ckpt", ckpt, "--threat", "specformer-st", "--n", "20",
             "--json", js)
     assert r.exit_code == 0, r.output
     data = json.loads(js.read_text())

@@ -438,7 +438,7 @@ def test_off_scale_bounds_are_named_not_drawn():
 
 def test_margin_command(ckpt, tmp_path):
     out = tmp_path / "m"
-    r = run("tightness", "--ckpt", ckpt, "--margin", "--eps", "0.01,0.05", "--n", "2",
+    r = run("tightness", "--ckpt", ckpt, "--margins", "--eps", "0.01,0.05", "--n", "2",
             "--pgd-steps", "10", "--pgd-restarts", "1", "--out", out)
     assert r.exit_code == 0, r.output
     data = json.loads((out / "tightness.json").read_text())
@@ -448,7 +448,7 @@ def test_margin_command(ckpt, tmp_path):
     with (out / "tightness.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert {float(r["bound_median"]) <= float(r["bound_max"]) for r in rows} == {True}
-    assert_one_line_error(run("tightness", "--ckpt", ckpt, "--margin", "--network",
+    assert_one_line_error(run("tightness", "--ckpt", ckpt, "--margins", "--network",
                               "--out", tmp_path / "x"))
-    assert_one_line_error(run("tightness", "--ckpt", ckpt, "--margin", "--method",
+    assert_one_line_error(run("tightness", "--ckpt", ckpt, "--margins", "--method",
                               "naive", "--out", tmp_path / "y"))

@@ -85,13 +85,14 @@ def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int 
 @click.option("--eps", "eps_text", multiple=True,
               help="radius or comma list, e.g. 0.5 or 2/255,8/255 (repeatable)")
 @click.option("--norm", type=click.Choice(["linf", "l2"]), default=None,
-              help="threat model (default: linf, or the preset's)")
-@click.option("--preset", type=click.Choice(list(ATTACK_PRESETS)), default=None,
+              help="threat model (default: linf, or the --threat's)")
+@click.option("--threat", "preset", type=click.Choice(list(ATTACK_PRESETS)),
+              default=None,
               help="attack settings of a SpecFormer table; explicit options override")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="iterations of pgd, pgd-l2, cw-pgd, cw (default 20; cw 100); "
                    "--radius: of pgd-l2, apgd, apgd-t (default 50)")
-@click.option("--alpha", "alpha_text", default=None,
+@click.option("--step-size", "alpha_text", default=None,
               help="step size (default 2.5·eps/steps), e.g. 2/255")
 @click.option("--restarts", type=click.IntRange(min=1), default=None,
               help="random restarts of pgd, pgd-l2, cw-pgd (default 1); --radius: "
@@ -130,7 +131,7 @@ def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
     """
     C.check_writable([json_path, csv_path], force)
     if radius:
-        given = {"--eps": eps_text, "--preset": preset, "--alpha": alpha_text,
+        given = {"--eps": eps_text, "--threat": preset, "--step-size": alpha_text,
                  "--norm linf": norm == "linf"}
         clash = [k for k, v in given.items() if v]
         if clash:
@@ -161,9 +162,9 @@ def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
     elif spec:
         eps_list = [spec.eps]
     else:
-        raise ValueError("give --eps (or a --preset)")
+        raise ValueError("give --eps (or a --threat)")
     settings = dict(spec.settings) if spec else {}
-    alpha = C.parse_floats(alpha_text, "alpha")[0] if alpha_text else None
+    alpha = C.parse_floats(alpha_text, "step-size")[0] if alpha_text else None
     overrides = {"steps": steps, "restarts": restarts, "seed": seed,
                  "batch_size": batch_size, "alpha": alpha}
     settings.update({k: v for k, v in overrides.items() if v is not None})

@@ -243,8 +243,8 @@ def build_plan(
          (s.network_eps, s.tightness_n, s.network_pgd)),
         # The certificate that decides: each method's bound on every wrong-class
         # margin's drop against targeted PGD, for both certified models.
-        ("margin-lipschitz", lip, ("--margin",), margin),
-        ("margin-msvp", plan.model("msvp"), ("--margin",), margin),
+        ("margin-lipschitz", lip, ("--margins",), margin),
+        ("margin-msvp", plan.model("msvp"), ("--margins",), margin),
     ):
         if proven and ckpt == lip:  # no LoFAST layer bounds
             continue

@@ -126,7 +126,8 @@ def write_outputs(
     help="bound the whole network (image to logits) instead of one layer",
 )
 @click.option(
-    "--margin",
+    "--margins",
+    "margin",
     is_flag=True,
     help="bound every wrong-class margin's drop (image to margins f_y − f_j at "
     "the predicted y), the quantity each certificate compares with the margin, "
