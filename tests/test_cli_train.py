@@ -208,3 +208,17 @@ def test_certify_help_names_the_default_method_of_each_architecture():
     for arch, method in DEFAULT_METHODS.items():
         label = "lipvit's ViT" if arch == "vit" else arch
         assert re.search(rf"{method} \([^)]*{re.escape(label)}", text), (arch, text)
+
+
+def test_train_help_is_grouped():
+    from lipvit.commands.train import HELP_GROUPS, train_command
+
+    grouped = [n for names in HELP_GROUPS.values() for n in names]
+    assert sorted(grouped) == sorted([*(p.name for p in train_command.params),
+                                      "help"])
+    text = _run("train", "--help").output
+    titles = [t for t in HELP_GROUPS if t + ":" in text]
+    assert titles == list(HELP_GROUPS)
+    assert "Other options" not in text
+    assert text.index("--epochs") > text.index("Optimisation:") > text.index(
+        "--preset")

@@ -88,7 +88,45 @@ def preset_help() -> str:
     return "; ".join(f"{', '.join(v)} for {d}" for d, v in by_dataset.items())
 
 
-@click.command("train")
+HELP_GROUPS = {
+    "Data and model": ("dataset", "data_dir", "preset_name", "family", "embed_dim",
+                       "depth", "num_heads", "patch_size", "mlp_ratio", "attention",
+                       "conv_kernel", "v_cap", "o_cap", "attn_project",
+                       "attn_radius", "cls_content"),
+    "Optimisation": ("epochs", "batch_size", "lr", "optimizer", "weight_decay",
+                     "warmup", "label_smoothing", "grad_clip", "loss_scale",
+                     "augment"),
+    "Robust training": ("margin", "cert_eps", "cert_warmup", "cert_stream",
+                        "cert_mix", "relu_stability", "stability_radius",
+                        "adv_train", "adv_eps", "adv_steps", "noise_sd"),
+    "MSVP (spectral penalty)": ("msvp_all", "msvp_q", "msvp_k", "msvp_v",
+                                "msvp_iters"),
+    "Run": ("out", "init_path", "resume", "force", "device", "threads", "seed",
+            "deterministic", "progress", "help"),
+}
+"""``train --help``'s sections: each option's name in the group it is listed in."""
+
+
+class GroupedCommand(click.Command):
+    """A command whose ``--help`` lists its options in :data:`HELP_GROUPS`'
+    sections (and any other in "Other options")."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter
+                       ) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        placed: set[str] = set()
+        for title, names in HELP_GROUPS.items():
+            placed.update(names)
+            rows = [records[n] for n in names if records.get(n)]
+            with formatter.section(title):
+                formatter.write_dl(rows)
+        rest = [r for n, r in records.items() if n not in placed and r]
+        if rest:
+            with formatter.section("Other options"):
+                formatter.write_dl(rest)
+
+
+@click.command("train", cls=GroupedCommand)
 @click.option(
     "--dataset", type=click.Choice(DATASETS), default="digits", show_default=True
 )
