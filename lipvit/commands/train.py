@@ -113,7 +113,9 @@ class GroupedCommand(click.Command):
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter
                        ) -> None:
-        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        help_option = self.get_help_option(ctx)
+        records = {"help" if p is help_option else p.name: p.get_help_record(ctx)
+                   for p in self.get_params(ctx)}
         placed: set[str] = set()
         for title, names in HELP_GROUPS.items():
             placed.update(names)
