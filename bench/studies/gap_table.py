@@ -49,12 +49,13 @@ from _out import add_out, write_json  # noqa: E402
 METHODS = ("global", "ball", "margin")
 
 
-def measure(model, x, y, eps_list, steps: int, restarts: int, search: bool) -> dict:
+def measure(model, x, y, eps_list, steps: int, restarts: int, search: bool,
+            radius_tol: float) -> dict:
     """Certified and attacked accuracy, median radii (the attacks' with
     ``search``) and broken points."""
     t0 = time.perf_counter()
     report = certify_samples(model, x, y, list(METHODS), eps_list, radius=True,
-                             batch_size=50)
+                             radius_tol=radius_tol, batch_size=50)
     seconds = time.perf_counter() - t0
     out = {"clean": report.clean_accuracy, "certify_seconds": seconds,
            "seconds_per_point_per_eps": {
@@ -116,6 +117,8 @@ def main() -> None:
     p.add_argument("--attack-radius", action="store_true",
                    help="also search each point's smallest adversarial radius "
                         "(CW and bisection: the slowest part)")
+    p.add_argument("--radius-tol", type=float, default=1e-2,
+                   help="relative tolerance of the certified radii's bisection")
     p.add_argument("--threads", type=int, default=1)
     add_out(p, __file__)
     args = p.parse_args()
@@ -129,7 +132,7 @@ def main() -> None:
         model = load_checkpoint(path).model.eval()
         results[name] = {"checkpoint": path, "n": args.n,
                          **measure(model, x, y, eps_list, args.steps, args.restarts,
-                                    args.attack_radius)}
+                                    args.attack_radius, args.radius_tol)}
         r = results[name]
         print(f"{name}: clean {r['clean']:.3f}; "
               + "; ".join(f"{m} " + "/".join(f"{r[m]['certified'][e]:.3f}"
