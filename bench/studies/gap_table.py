@@ -26,6 +26,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import sys
 import time
@@ -84,31 +86,39 @@ def measure(model, x, y, eps_list, steps: int, restarts: int, search: bool,
     return out
 
 
-def plot(results: dict, eps_list, path: Path) -> None:
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4),
+def plot(results: dict, eps_list, path: Path, n: int, machine: str) -> None:
+    fig, axes = plt.subplots(1, len(results),
+                             figsize=(max(6.0, 4.2 * len(results)), 3.8),
                              squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items(), strict=True):
-        ax.plot(eps_list, [r["attacked"][e] for e in eps_list], "k--", marker="x",
+        attacked = {float(k): v for k, v in r["attacked"].items()}
+        ax.plot(eps_list, [attacked[e] for e in eps_list], "k--", marker="x",
                 label="attacked (PGD-ℓ2, APGD)")
-        for method, style in zip(METHODS, ("C2:", "C0-", "C3-"), strict=True):
-            ax.plot(eps_list, [r[method]["certified"][e] for e in eps_list], style,
-                    marker="o", label=f"{method} (certified)")
+        # margin is never below ball: ball's larger squares stay visible under it.
+        for method, style, marker, size in zip(
+                METHODS, ("C2:", "C0-", "C3-"), "^so", (6, 9, 5), strict=True):
+            ax.plot(eps_list, [r[method]["certified"][str(e)] if str(e) in
+                               r[method]["certified"] else r[method]["certified"][e]
+                               for e in eps_list], style, marker=marker,
+                    markersize=size, label=f"{method} (certified)")
         ax.set_title(f"{name}: clean {100 * r['clean']:.1f} %")
         ax.set_xlabel("ε (ℓ2, pixels in [0, 1])")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("Certified vs attacked, Fashion-MNIST test points "
-                 f"({platform.machine()}, {torch.get_num_threads()}-thread CPU)",
-                 fontsize=9)
+    fig.suptitle(f"Certified vs attacked, first {n} Fashion-MNIST test points\n"
+                 f"({machine})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", action="append", required=True, help="NAME=PATH")
+    p.add_argument("--ckpt", action="append", default=[], help="NAME=PATH")
+    p.add_argument("--merge", nargs="*", type=Path, default=[],
+                   help="instead of measuring: earlier gap_table.json files, "
+                        "their models side by side in one JSON and figure")
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--n", type=int, default=300)
     p.add_argument("--eps", default="0.1,0.25,0.5,1.0")
@@ -124,6 +134,27 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     eps_list = [float(e) for e in args.eps.split(",")]
+    machine = (f"{platform.machine()} CPU, {os.cpu_count()} cores, "
+               f"{args.threads} thread(s), torch {torch.__version__}")
+    if args.merge:
+        runs = [json.loads(f.read_text()) for f in args.merge]
+        results = {k: v for run in runs for k, v in run["results"].items()}
+        eps_list = runs[0]["eps"]
+        machine = runs[0]["machine"] + (f", {runs[0]['threads']} thread(s)"
+                                        if "threads" in runs[0] else "")
+        args.n = next(iter(results.values()))["n"]
+    else:
+        if not args.ckpt:
+            p.error("give --ckpt NAME=PATH (or --merge)")
+        results = measured(args, eps_list)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(results, eps_list, args.out / "gap_table.png", args.n, machine)
+    write_json(args.out, __file__, {"eps": eps_list, "machine": machine,
+                                    "results": results})
+
+
+def measured(args, eps_list) -> dict:
+    """Every ``--ckpt`` measured (:func:`measure`), one line printed each."""
     data = load_dataset("fashion-mnist", args.data_dir)
     x, y = data.x_test[:args.n], data.y_test[:args.n]
     results = {}
@@ -132,7 +163,7 @@ def main() -> None:
         model = load_checkpoint(path).model.eval()
         results[name] = {"checkpoint": path, "n": args.n,
                          **measure(model, x, y, eps_list, args.steps, args.restarts,
-                                    args.attack_radius, args.radius_tol)}
+                                   args.attack_radius, args.radius_tol)}
         r = results[name]
         print(f"{name}: clean {r['clean']:.3f}; "
               + "; ".join(f"{m} " + "/".join(f"{r[m]['certified'][e]:.3f}"
@@ -142,10 +173,7 @@ def main() -> None:
               + (f" median {r['attack_median_radius']:.3f}"
                  if "attack_median_radius" in r else "")
               + f"; broken {sum(r['broken'].values())}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, eps_list, args.out / "gap_table.png")
-    write_json(args.out, __file__, {"eps": eps_list, "machine": platform.machine(),
-                                    "threads": args.threads, "results": results})
+    return results
 
 
 if __name__ == "__main__":
