@@ -23,8 +23,8 @@ from .ball.network import BallCertificate
 from .certification import float64_model
 from .eps import check_eps_list
 from .evaluate import ALL_METHODS, certify_samples, check_methods
+from .follow.network import MarginCertificate
 from .global_bound import global_constant, global_radius, proven_chain
-from .margin.network import MarginCertificate
 
 
 class Certified(NamedTuple):

@@ -35,6 +35,7 @@ from lipvit.certify.certification import (
     margin,
 )
 from lipvit.certify.eps import check_eps_list
+from lipvit.certify.follow.network import MarginCertificate
 from lipvit.certify.global_bound import (
     check_global,
     global_constant,
@@ -43,7 +44,6 @@ from lipvit.certify.global_bound import (
 )
 from lipvit.certify.lofast.network import METHODS as BOUND_METHODS
 from lipvit.certify.lofast.network import network_bound
-from lipvit.certify.margin.network import MarginCertificate
 from lipvit.certify.smoothing import (
     GUARANTEE,
     SmoothingCertificate,

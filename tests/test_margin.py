@@ -15,8 +15,8 @@ import torch
 from click.testing import CliRunner
 from lipvit.certify.ball.network import BallCertificate
 from lipvit.certify.evaluate import certify_samples
+from lipvit.certify.follow.network import MarginCertificate, margin_certificate
 from lipvit.certify.global_bound import proven_chain
-from lipvit.certify.margin.network import MarginCertificate, margin_certificate
 from test_ball import cait_config, sharpened
 
 import lipvit

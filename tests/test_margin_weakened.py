@@ -1,5 +1,5 @@
 """The ``margin`` certificate's remainder bounds (docs/math.md §11,
-:mod:`lipvit.certify.margin.variation`) against brute force, and against
+:mod:`lipvit.certify.follow.variation`) against brute force, and against
 weakened copies of themselves.
 
 Each bound is checked in float64, for seeds 0, 1, 2, against the largest value
@@ -55,7 +55,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from lipvit.certify.ball.attention import class_ball, self_ball
-from lipvit.certify.margin import variation
+from lipvit.certify.follow import variation
 from test_ball import cait_config, in_ball
 from torch import Tensor
 from torch.func import grad, grad_and_value, jacrev, jvp, vmap

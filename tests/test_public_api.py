@@ -49,6 +49,19 @@ def test_public_names_are_pinned_and_resolve(package: str) -> None:
         module.no_such_name  # noqa: B018
 
 
+def test_no_submodule_takes_a_public_name() -> None:
+    """A subpackage named like a public function (``certify.margin``) would
+    replace that function on the package once imported."""
+    import pkgutil
+
+    import lipvit.analysis
+    import lipvit.certify
+
+    for package in (lipvit.certify, lipvit.analysis):
+        names = {m.name for m in pkgutil.iter_modules(package.__path__)}
+        assert not names & set(package.__all__), package.__name__
+
+
 def test_public_names_do_not_hide_submodules() -> None:
     import lipvit.analysis.spectrum
     import lipvit.certify.lofast.layer
