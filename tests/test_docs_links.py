@@ -88,3 +88,8 @@ def test_the_checker_finds_missing_files_and_anchors(tmp_path: Path) -> None:
     assert "not-a-heading" not in anchors(tmp_path / "other.md")
     assert slug("Training for the certificate (`--relu-stability`)") == (
         "training-for-the-certificate---relu-stability")
+
+
+def test_readme_stays_short() -> None:
+    """The README chooses for the user and links the rest (≤ 10,000 characters)."""
+    assert len((ROOT / "README.md").read_text(encoding="utf-8")) <= 10_000
