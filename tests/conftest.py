@@ -258,6 +258,54 @@ def trained_cait(digits: Dataset, tmp_path_factory) -> torch.nn.Module:
     return load_checkpoint(out).model.double().eval()
 
 
+def weakened_copy(module, target: str, edits, caller: str | None = None) -> Callable:
+    """A deliberately weakened bound, for the tests that must catch it: function
+    ``caller`` (default ``target``) of ``module`` run in a copy of the module's
+    namespace whose ``target`` has each ``(old, new)`` of ``edits`` applied
+    (``old`` found exactly once in its source)."""
+    import inspect
+    import types
+
+    source = inspect.getsource(getattr(module, target))
+    for old, new in edits:
+        assert source.count(old) == 1, f"{target} no longer reads {old!r}"
+        source = source.replace(old, new)
+    namespace = dict(vars(module))
+    # compile inherits this file's ``from __future__ import annotations``, as the
+    # module's own functions were compiled with it.
+    exec(compile(source, module.__file__, "exec"), namespace)
+    if caller is None or caller == target:
+        return namespace[target]
+    fn = getattr(module, caller)  # its code, reading the copy
+    return types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
+
+
+def assert_survive_targeted_pgd(model: torch.nn.Module, x: Tensor, y: Tensor,
+                                r: Tensor, steps: int = 40) -> None:
+    """At each point and every wrong class ``j``, PGD-ℓ2 on ``F_j − F_y`` inside
+    the ball of the point's radius ``r`` leaves the margin positive (what every
+    certified radius must withstand)."""
+    shape = (-1, 1, 1, 1)
+    for j in range(10):
+        wrong = y != j
+        xs, ys, rs = x[wrong], y[wrong], r[wrong]
+        gen = torch.Generator().manual_seed(j)
+        delta = torch.randn(xs.shape, generator=gen, dtype=xs.dtype) * 1e-3
+        for _ in range(steps):
+            delta = delta.detach().requires_grad_(True)
+            z = model(xs + delta)
+            gap = z[:, j] - z.gather(1, ys[:, None])[:, 0]
+            (grad,) = torch.autograd.grad(gap.sum(), delta)
+            with torch.no_grad():
+                delta = delta + 0.2 * rs.reshape(shape) * grad / grad.flatten(1).norm(
+                    dim=1).clamp_min(1e-30).reshape(shape)
+                delta = delta * (rs / delta.flatten(1).norm(dim=1)).clamp(
+                    max=1.0).reshape(shape)
+        with torch.no_grad():
+            z = model(xs + delta)
+            assert torch.all(z[:, j] < z.gather(1, ys[:, None])[:, 0]), j
+
+
 def pgd_lipschitz_ratio(
     fn: Callable[[Tensor], Tensor],
     x: Tensor,

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import assert_survive_targeted_pgd
 from lipvit.certify.ball.attention import (
     class_attention_local,
     class_head_local,
@@ -260,26 +261,7 @@ def test_certified_points_survive_targeted_pgd(trained, digits):
         r = BallCertificate(proven_chain(trained), trained, x, y).radius()
     keep = r > 0
     assert keep.sum() >= 10
-    x, y, r = x[keep], y[keep], r[keep]
-    shape = (-1, 1, 1, 1)
-    for j in range(10):
-        wrong = y != j
-        xs, ys, rs = x[wrong], y[wrong], r[wrong]
-        gen = torch.Generator().manual_seed(j)
-        delta = torch.randn(xs.shape, generator=gen, dtype=xs.dtype) * 1e-3
-        for _ in range(40):
-            delta = delta.detach().requires_grad_(True)
-            z = trained(xs + delta)
-            gap = z[:, j] - z.gather(1, ys[:, None])[:, 0]
-            (grad,) = torch.autograd.grad(gap.sum(), delta)
-            with torch.no_grad():
-                delta = delta + 0.2 * rs.reshape(shape) * grad / grad.flatten(1).norm(
-                    dim=1).clamp_min(1e-30).reshape(shape)
-                delta = delta * (rs / delta.flatten(1).norm(dim=1)).clamp(
-                    max=1.0).reshape(shape)
-        with torch.no_grad():
-            z = trained(xs + delta)
-            assert torch.all(z[:, j] < z.gather(1, ys[:, None])[:, 0]), j
+    assert_survive_targeted_pgd(trained, x[keep], y[keep], r[keep])
 
 
 # ---------------------------------------------------------------- ablation, commands

@@ -25,14 +25,13 @@ configuration's docstring says why its weakening bites.
 
 from __future__ import annotations
 
-import inspect
 import math
-import types
 from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
 import torch
+from conftest import weakened_copy
 from lipvit.certify.ball import attention as ball_attention
 from lipvit.certify.global_bound import proven_chain
 from test_ball import cait_config, max_jacobian_in_ball
@@ -78,15 +77,7 @@ def edited(name: str, target: str, old: str, new: str) -> Callable:
     """The local constant of map ``name`` computed by a copy of
     :mod:`lipvit.certify.ball.attention` whose function ``target`` has its
     text ``old`` (found exactly once in its source) replaced by ``new``."""
-    source = inspect.getsource(getattr(ball_attention, target))
-    assert source.count(old) == 1, f"{target} no longer reads {old!r}: edit WEAKENINGS"
-    namespace = dict(vars(ball_attention))
-    # compile inherits this file's ``from __future__ import annotations``, as the
-    # module's own functions were compiled with it.
-    exec(compile(source.replace(old, new), ball_attention.__file__, "exec"), namespace)
-    local = getattr(ball_attention, LOCAL[name])
-    return types.FunctionType(local.__code__, namespace, local.__name__,
-                              local.__defaults__)
+    return weakened_copy(ball_attention, target, [(old, new)], LOCAL[name])
 
 
 def weakened(kind: str, name: str) -> Callable:

@@ -45,18 +45,18 @@ least 1.5 times the brute force).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
-import types
 from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
 import torch
+from conftest import weakened_copy
 from lipvit.certify.ball.attention import class_ball, self_ball
 from lipvit.certify.follow import variation
 from test_ball import cait_config, in_ball
+from test_ball_weakened import orthogonal, unit
 from torch import Tensor
 from torch.func import grad, grad_and_value, jacrev, jvp, vmap
 
@@ -100,32 +100,8 @@ def edited(name: str, identity: bool = False) -> Callable:
     """Weakening ``name``'s copy of its function (the caller's, read in the
     copied namespace); with ``identity`` every text is replaced by itself."""
     target, edits = WEAKENINGS[name]
-    source = inspect.getsource(getattr(variation, target))
-    for old, new in edits:
-        assert source.count(old) == 1, f"{target} no longer reads {old!r}"
-        source = source.replace(old, old if identity else new)
-    namespace = dict(vars(variation))
-    # compile inherits this file's ``from __future__ import annotations``, as the
-    # module's own functions were compiled with it.
-    exec(compile(source, variation.__file__, "exec"), namespace)
-    if name not in CALLER:
-        return namespace[target]
-    caller = getattr(variation, CALLER[name])  # its code, reading the copy
-    return types.FunctionType(caller.__code__, namespace, caller.__name__,
-                              caller.__defaults__)
-
-
-def orthogonal(n: int, gen: torch.Generator) -> Tensor:
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=F64))
-    return q * torch.sign(torch.diagonal(r))
-
-
-def unit(gen: torch.Generator, *orthogonal_to: Tensor) -> Tensor:
-    """A random unit vector of R⁸ orthogonal to the (orthonormal) ``orthogonal_to``."""
-    u = torch.randn(8, generator=gen, dtype=F64)
-    for w in orthogonal_to:
-        u = u - (u @ w) * w
-    return u / u.norm()
+    edits = [(old, old if identity else new) for old, new in edits]
+    return weakened_copy(variation, target, edits, CALLER.get(name))
 
 
 def ascended(fn: Callable[[Tensor], Tensor], x0: Tensor, delta: float, seed: int,
