@@ -258,6 +258,23 @@ def trained_cait(digits: Dataset, tmp_path_factory) -> torch.nn.Module:
     return load_checkpoint(out).model.double().eval()
 
 
+def noise_trained_vit(data: Dataset, sigma: float, steps: int) -> ViT:
+    """A digits-tiny standard ViT trained ``steps`` AdamW steps under Gaussian
+    noise of standard deviation ``sigma`` (for randomized smoothing), in eval
+    mode."""
+    torch.manual_seed(0)
+    model = ViT(tiny_config("standard", mean=data.mean, std=data.std))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        i = torch.randint(0, data.x_train.shape[0], (128,))
+        x = data.x_train[i] + sigma * torch.randn_like(data.x_train[i])
+        loss = torch.nn.functional.cross_entropy(model(x), data.y_train[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
 def weakened_copy(module, target: str, edits, caller: str | None = None) -> Callable:
     """A deliberately weakened bound, for the tests that must catch it: function
     ``caller`` (default ``target``) of ``module`` run in a copy of the module's

@@ -38,7 +38,6 @@ from torch import Tensor, nn
 
 from lipvit.checkpoint import save_checkpoint
 from lipvit.cli import main
-from lipvit.model import ViT
 from lipvit.train import TrainConfig
 
 SIGMA = 0.25
@@ -173,19 +172,9 @@ def test_smoothing_radius_is_zero_at_or_below_one_half():
 @pytest.fixture(scope="module")
 def noisy_vit(digits):
     """A digits-tiny standard ViT trained under Gaussian noise of σ = 0.25."""
-    from conftest import tiny_config
+    from conftest import noise_trained_vit
 
-    torch.manual_seed(0)
-    model = ViT(tiny_config("standard", mean=digits.mean, std=digits.std))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        i = torch.randint(0, digits.x_train.shape[0], (128,))
-        x = digits.x_train[i] + SIGMA * torch.randn_like(digits.x_train[i])
-        loss = nn.functional.cross_entropy(model(x), digits.y_train[i])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return noise_trained_vit(digits, SIGMA, 300)
 
 
 def test_pgd_on_the_smoothed_classifier_does_not_flip_a_certified_point(

@@ -182,20 +182,11 @@ def test_with_indices_batch_splits_give_identical_results():
 def noisy_ckpt(digits, tmp_path_factory):
     """A digits-tiny standard ViT trained briefly under noise of σ = 0.25,
     saved with that noise in its training configuration."""
-    from conftest import tiny_config
+    from conftest import noise_trained_vit
 
-    torch.manual_seed(0)
-    model = ViT(tiny_config("standard", mean=digits.mean, std=digits.std))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(120):
-        i = torch.randint(0, digits.x_train.shape[0], (128,))
-        x = digits.x_train[i] + SIGMA * torch.randn_like(digits.x_train[i])
-        loss = nn.functional.cross_entropy(model(x), digits.y_train[i])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    model = noise_trained_vit(digits, SIGMA, 120)
     out = tmp_path_factory.mktemp("smoothing_report") / "noisy.pt"
-    save_checkpoint(out, model.eval(), train_config=TrainConfig(noise_sd=SIGMA),
+    save_checkpoint(out, model, train_config=TrainConfig(noise_sd=SIGMA),
                     dataset="digits")
     return out
 
