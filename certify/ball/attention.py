@@ -62,15 +62,13 @@ class SelfBall(NamedTuple):
     head): ``P0``, ``P_bar``, ``P_low`` ``(B, H, N, N)`` the attention at ``X``
     and its entrywise bounds on the ball (eq. 10.1 and its mirror), ``P_norm``
     ``(B, H)`` a bound of ``‖P_h(X′)‖``, ``soft`` ``(B,)`` the softmax path's
-    bound ``‖W_o‖ (2 max_t Σ_h c_{h,t})^{1/2}`` (eq. 10.2), ``reach`` ``(B,
-    N)`` the tokens' norms at ``X`` (before the projection)."""
+    bound ``‖W_o‖ (2 max_t Σ_h c_{h,t})^{1/2}`` (eq. 10.2)."""
 
     P0: Tensor
     P_bar: Tensor
     P_low: Tensor
     P_norm: Tensor
     soft: Tensor
-    reach: Tensor
 
 
 def self_ball(
@@ -124,7 +122,7 @@ def self_ball(
                       (kappa_bar**2).amax(dim=-1, keepdim=True))  # (B, H, N)
     c = sigma**2 * K + torch.einsum("bhi,bhit->bht", sigma**2 * rho_bar**2, P_bar)
     soft = norms.out * (2 * c.sum(dim=1).amax(dim=-1)).sqrt()  # (B,)
-    return SelfBall(P0, P_bar, P_low, P_norm, soft, X.norm(dim=-1))
+    return SelfBall(P0, P_bar, P_low, P_norm, soft)
 
 
 def self_attention_local(
@@ -156,7 +154,13 @@ def self_attention_local(
     d)``, ``norms`` the weights' (:func:`lipvit.lipschitz_blocks.
     attention_norms`), ``B`` ``(H, N, N)``; returns ``(B,)``, differentiable.
     """
-    ball = self_ball(X, delta, W_q, W_k, W_v, norms, B, radius, exact)
+    return self_local(self_ball(X, delta, W_q, W_k, W_v, norms, B, radius, exact),
+                      norms)
+
+
+def self_local(ball: SelfBall, norms: AttentionNorms) -> Tensor:
+    """Eq. (10.2) from a :class:`SelfBall`: ``‖W_o‖ max_h ‖P̄_h‖ ‖W_v‖`` plus
+    the softmax path's bound, ``(B,)``."""
     return norms.out * ball.P_norm.amax(dim=-1) * norms.value + ball.soft
 
 

@@ -25,10 +25,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lipvit.lipschitz_blocks import ClassAttention, GatedAttention, GatedMLP
+from lipvit.lipschitz_blocks import (
+    ClassAttention,
+    GatedAttention,
+    GatedMLP,
+    class_attention_paths,
+)
 from lipvit.spectral import conv_operator_norm, spectral_norm
 
-from ..ball.attention import class_attention_local, class_ball, self_ball
+from ..ball.attention import class_ball, self_ball, self_local
 from ..ball.network import BallChain, ball_chain
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
@@ -137,15 +142,14 @@ class MarginCertificate:
             V = class_attention_variation(t, delta, site.g, attn.a(), attn.value,
                                           ball.P0, ball.P_bar, ball.Delta,
                                           attn.radius)
-            L_loc = class_attention_local(t, delta, attn.a(), attn.value, norms,
-                                          attn.pos_bias, attn.radius)
+            L_loc = sum(class_attention_paths(norms, ball.P_bar, ball.soft))  # (10.5)
             return torch.minimum(V, 2 * g_norm * L_loc) * delta
         ball = self._self_ball(k, t, delta)
         dJ = self_attention_variation(ball.P0, ball.P_bar, ball.P_low, ball.soft,
                                       self._soft0[k],
                                       projection_moves(t, delta, attn.radius),
                                       norms.value, norms.out)
-        L_loc = norms.out * ball.P_norm.amax(dim=-1) * norms.value + ball.soft
+        L_loc = self_local(ball, norms)
         dJ = torch.minimum(dJ, 2 * torch.minimum(L_loc, self.chain.L_A[k]))
         return g_norm * (self.chain.gate[k] / self.chain.scale[k]) * dJ * delta
 
