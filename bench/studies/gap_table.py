@@ -94,13 +94,16 @@ def plot(results: dict, eps_list, path: Path, n: int, machine: str) -> None:
         attacked = {float(k): v for k, v in r["attacked"].items()}
         ax.plot(eps_list, [attacked[e] for e in eps_list], "k--", marker="x",
                 label="attacked (PGD-ℓ2, APGD)")
-        # margin is never below ball: ball's larger squares stay visible under it.
-        for method, style, marker, size in zip(
-                METHODS, ("C2:", "C0-", "C3-"), "^so", (6, 9, 5), strict=True):
+        # Where the methods agree their markers nest: global's open triangles
+        # around ball's squares around margin's dots, none hidden.
+        for method, style, marker, size, face in zip(
+                METHODS, ("C2:", "C0-", "C3-"), "^so", (14, 8, 4),
+                ("none", None, None), strict=True):
             ax.plot(eps_list, [r[method]["certified"][str(e)] if str(e) in
                                r[method]["certified"] else r[method]["certified"][e]
                                for e in eps_list], style, marker=marker,
-                    markersize=size, label=f"{method} (certified)")
+                    markersize=size, markerfacecolor=face,
+                    label=f"{method} (certified)")
         ax.set_title(f"{name}: clean {100 * r['clean']:.1f} %")
         ax.set_xlabel("ε (ℓ2, pixels in [0, 1])")
         ax.set_ylim(0, 1)
