@@ -47,6 +47,22 @@ def test_certify_writes_schema_and_agrees_with_table(ckpt, tmp_path):
     assert len(rows) == 6 and rows[0]["method"] == "lofast"
 
 
+def test_dash_writes_the_results_to_stdout(ckpt):
+    """--json - / --csv -: standard output holds the results alone, the table
+    goes to standard error."""
+    args = ["certify", "--ckpt", str(ckpt), "--eps", "0.01", "--method", "lofast",
+            "--n", "3"]
+    result = CliRunner().invoke(main, [*args, "--json", "-"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["n"] == 3 and [r["method"] for r in data["results"]] == ["lofast"]
+    assert "lofast" in result.stderr
+    result = CliRunner().invoke(main, [*args, "--csv", "-"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(result.stdout.splitlines()))
+    assert [r["method"] for r in rows] == ["lofast"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--eps", "-0.1"], "eps"),
     (["--eps", "nan"], "eps"),

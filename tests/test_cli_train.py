@@ -73,11 +73,26 @@ def test_info_text_and_json(trained: Path) -> None:
     assert result.exit_code == 0, result.output
     for word in ("lipschitz", "digits", "parameters", "W_q", "W_o", "test acc"):
         assert word in result.output
-    data = json.loads(_run("info", "--ckpt", str(trained), "--json").output)
+    stdout = _run("info", "--ckpt", str(trained), "--json", "-")
+    assert stdout.exit_code == 0, stdout.output
+    data = json.loads(stdout.stdout)  # the JSON alone
     assert data["finished"] and data["dataset"] == "digits"
     assert len(data["sigma_max"]["layers"]) == 1
     assert data["sigma_max"]["layers"][0]["W_v"]["max"] <= 0.5 * (1 + 1e-6)
     assert data["parameters"] > 0
+
+
+def test_info_json_file(trained: Path, tmp_path: Path) -> None:
+    """--json FILE as on every command: the text still printed, an existing
+    FILE replaced only with --force."""
+    js = tmp_path / "info.json"
+    result = _run("info", "--ckpt", str(trained), "--json", str(js))
+    assert result.exit_code == 0, result.output
+    assert "parameters" in result.stdout
+    assert json.loads(js.read_text())["dataset"] == "digits"
+    _assert_one_line_error(_run("info", "--ckpt", str(trained), "--json", str(js)))
+    forced = _run("info", "--ckpt", str(trained), "--json", str(js), "--force")
+    assert forced.exit_code == 0, forced.output
 
 
 def test_train_refuses_existing_out_then_resumes(trained: Path) -> None:

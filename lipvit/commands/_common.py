@@ -5,19 +5,23 @@ Commands stay thin by taking these: click option decorators (``ckpt_option``,
 :func:`load_test_set` (deterministic ``--n`` subsampling, the same samples for
 every command), :func:`parse_floats` / :func:`parse_names` for comma lists, and
 :func:`write_json` / :func:`write_csv`, which write atomically and refuse to
-replace an existing file unless ``force`` (``--force``). Errors are
+replace an existing file unless ``force`` (``--force``), or write to standard
+output for the path ``-`` (with :func:`results_to_stdout` around the command,
+whose text then goes to standard error). Errors are
 ``ValueError`` or :class:`lipvit.errors.LipvitError`, which the CLI group prints
 as one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import io
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -29,16 +33,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lipvit import files as _files
 from lipvit.certify.eps import check_eps
 from lipvit.data import default_dirs_text
 from lipvit.errors import LipvitError
 
-# Re-exported: the commands call them as ``C.write_json`` etc.
+# Re-exported: the commands call them as ``C.atomic_path`` etc.
 from lipvit.files import atomic_path as atomic_path
 from lipvit.files import check_output_dir as check_output_dir
 from lipvit.files import check_writable as check_writable
 from lipvit.files import to_jsonable as to_jsonable
-from lipvit.files import write_json as write_json
 from lipvit.runtime import resolve_device as resolve_device
 
 SUBSAMPLE_SEED = 0
@@ -88,12 +92,19 @@ batch_size_option = click.option(
 force_option = click.option("--force", is_flag=True,
                             help="overwrite existing output files")
 pdf_option = click.option("--pdf", is_flag=True, help="also write PDF figures")
-json_option = click.option("--json", "json_path", default=None,
-                           type=click.Path(dir_okay=False, path_type=Path),
-                           help="write the results as JSON")
-csv_option = click.option("--csv", "csv_path", default=None,
-                          type=click.Path(dir_okay=False, path_type=Path),
-                          help="write the results table as CSV")
+# One meaning per option name (docs/cli.md, "Output options"): --json FILE and
+# --csv FILE write the command's results to FILE, "-" meaning standard output;
+# --out names the command's product (a checkpoint, a figure, a folder).
+STDOUT = "-"
+RESULTS_PATH = click.Path(dir_okay=False, allow_dash=True, path_type=Path)
+json_option = click.option(
+    "--json", "json_path", default=None, type=RESULTS_PATH, metavar="FILE",
+    help="write the results as JSON to FILE (-: standard output, which then "
+         "holds the JSON alone)")
+csv_option = click.option(
+    "--csv", "csv_path", default=None, type=RESULTS_PATH, metavar="FILE",
+    help="write the results table as CSV to FILE (-: standard output, which "
+         "then holds the CSV alone)")
 
 
 def data_options(fn: Callable) -> Callable:
@@ -285,9 +296,62 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 # ---------------------------------------------------------------- writing
 
 
+def is_stdout(path: str | os.PathLike | None) -> bool:
+    """Whether an output path is ``-``: standard output (``--json -``, ``--csv -``)."""
+    return path is not None and os.fspath(path) == STDOUT
+
+
+# The standard output of the command running under :func:`results_to_stdout`,
+# while its text goes to standard error.
+_results_stream: list[Any] = []
+
+
+def _write_stdout(text: str) -> None:
+    click.echo(text, nl=False, file=_results_stream[-1] if _results_stream else None)
+
+
+def results_to_stdout(command: Callable) -> Callable:
+    """With ``--json -`` or ``--csv -`` the results alone go to standard output:
+    the command's text (tables, notes) goes to standard error meanwhile. Both
+    ``-`` at once is refused. Put it next to the function, under the options;
+    the command's parameters must be named ``json_path`` and ``csv_path``."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        dashes = [k for k in ("json_path", "csv_path") if is_stdout(kwargs.get(k))]
+        if not dashes:
+            return command(*args, **kwargs)
+        if len(dashes) > 1:
+            raise LipvitError("--json - and --csv - both ask for standard output; "
+                              "write one of them to a file")
+        _results_stream.append(sys.stdout)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                return command(*args, **kwargs)
+        finally:
+            _results_stream.pop()
+
+    return run
+
+
+def check_results(paths: Iterable[str | os.PathLike | None], force: bool) -> None:
+    """:func:`check_writable` for ``--json``/``--csv`` paths: ``-`` (standard
+    output) is always writable."""
+    check_writable([p for p in paths if not is_stdout(p)], force)
+
+
+def write_json(path: str | os.PathLike, obj: Any, force: bool = False) -> Path:
+    """:func:`lipvit.files.write_json`, or to standard output for ``-``."""
+    if is_stdout(path):
+        _write_stdout(json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n")
+        return Path(path)
+    return _files.write_json(path, obj, force)
+
+
 def write_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
               force: bool = False, columns: Sequence[str] | None = None) -> Path:
-    """Write dict rows as CSV (columns: ``columns`` or keys in order of appearance)."""
+    """Write dict rows as CSV (columns: ``columns`` or keys in order of
+    appearance); ``-``: to standard output."""
     if columns is None:
         columns = list(dict.fromkeys(k for row in rows for k in row))
     buf = io.StringIO()
@@ -295,6 +359,9 @@ def write_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
     writer.writeheader()
     for row in rows:
         writer.writerow({k: to_jsonable(v) for k, v in row.items()})
+    if is_stdout(path):
+        _write_stdout(buf.getvalue())
+        return Path(path)
     with atomic_path(path, force) as tmp:
         tmp.write_text(buf.getvalue(), encoding="utf-8")
     return Path(path)

@@ -113,6 +113,7 @@ def _radius_mode(ckpt: Path, names: list[str], settings: RadiusSettings, n: int 
 @C.csv_option
 @C.force_option
 @C.threads_option
+@C.results_to_stdout
 def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
            norm: str | None, preset: str | None, steps: int | None,
            alpha_text: str | None, restarts: int | None, seed: int, radius: bool,
@@ -129,7 +130,7 @@ def attack(ckpt: Path, attack_names: str | None, eps_text: tuple[str, ...],
     point found by bisection on eps (an upper bound of the true robust radius),
     and the first-order limit min_j margin_j/||grad margin_j|| (an estimate).
     """
-    C.check_writable([json_path, csv_path], force)
+    C.check_results([json_path, csv_path], force)
     if radius:
         given = {"--eps": eps_text, "--threat": preset, "--step-size": alpha_text,
                  "--norm linf": norm == "linf"}

@@ -246,6 +246,7 @@ def _radius_lines(report: CertifyReport, radius: bool, index,
 @C.csv_option
 @C.force_option
 @C.threads_option
+@C.results_to_stdout
 def certify(
     ckpt: Path,
     eps_text: tuple[str, ...],
@@ -298,9 +299,9 @@ def certify(
     `torchrun --nproc_per_node K -m lipvit certify ... --samples N` shards the
     samples over K ranks (whole batches each, gloo) and rank 0 writes the merged
     JSON/CSV, equal to a single-process run's except the seconds_per_sample
-    timings (summed work per sample). With --json/--csv each rank keeps its
-    finished shard in <output>.shard-<rank>-of-<K>.json: a rerun with the same
-    settings reuses it; the shard files are removed after the merge.
+    timings (summed work per sample). With --json/--csv FILE each rank keeps
+    its finished shard in <FILE>.shard-<rank>-of-<K>.json: a rerun with the
+    same settings reuses it; the shard files are removed after the merge.
     """
     ranks = ranks_from_env()
     eps_list = C.parse_floats(eps_text, "eps")
@@ -308,7 +309,7 @@ def certify(
     smoothing_options = {"--sigma": sigma, "--n0": n0, "--n-noise": n_noise,
                          "--alpha": alpha, "--seed": seed}
     _check_smoothing_options(methods, smoothing_options)
-    C.check_writable([json_path, csv_path], force)
+    C.check_results([json_path, csv_path], force)
     if {"crown", "alpha-crown", "cascade", "cascade-taylor"} & set(methods):
         reexec_with_crown_allocator()  # glibc.malloc.mmap_max=0, once
     dev = rank_device(C.resolve_device(device), ranks)
@@ -341,7 +342,9 @@ def certify(
     stronger = (None if taylor or "smoothing" in methods or taylor_unsupported(model)
                 else "taylor")
     shard = shard_slice(len(data.y), batch_size, ranks)
-    output = json_path or csv_path
+    # Shards lie beside a file output (none for standard output, `-`).
+    output = next((p for p in (json_path, csv_path) if p and not C.is_stdout(p)),
+                  None)
     shard_file = shard_path(output, ranks) if ranks.world > 1 and output else None
     settings = shard_settings(ckpt, data, shard, methods, eps_list, radius_tol,
                               batch_size, dev, max_memory=max_memory,

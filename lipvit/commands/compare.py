@@ -40,7 +40,7 @@ def reproduce_command(out: Path, settings) -> str:
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path),
     default=Path("runs/compare"), show_default=True,
-    help="Output directory (models/ holds checkpoints and cached evaluations).",
+    help="Output folder (models/ holds checkpoints and cached evaluations).",
 )
 @click.option("--dataset", type=click.Choice(DATASETS), default="digits",
               show_default=True)

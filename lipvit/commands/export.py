@@ -12,8 +12,9 @@ from lipvit.commands import _common as C
 @click.command("export")
 @C.ckpt_option()
 @click.option("--out", required=True, type=click.Path(path_type=Path),
-              help="transformers: a directory; timm: a .safetensors file; "
-              "lipvit: a .pt file")
+              help="the exported model, in its format's own shape: a folder "
+              "(transformers), a .safetensors file (timm), a .pt checkpoint file "
+              "(lipvit)")
 @click.option("--format", "fmt", type=click.Choice(("transformers", "timm", "lipvit")),
               default="transformers", show_default=True)
 @C.force_option

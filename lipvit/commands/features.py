@@ -15,7 +15,7 @@ FILES = ("tsne.png", "features.json", "tsne.csv")
 @click.command("features")
 @C.ckpt_option()
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="output directory (tsne.png, features.json, tsne.csv)")
+              help="output folder (tsne.png, features.json, tsne.csv)")
 @click.option("--attack", "attack_name", default="pgd", show_default=True,
               help=f"one of {', '.join(ATTACKS)}")
 @click.option("--eps", "eps_text", default="8/255", show_default=True,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ import click
 import torch
 
 from lipvit.checkpoint import FORMAT_VERSION, load_checkpoint
+from lipvit.commands import _common as C
 from lipvit.proven_summary import proven_text
 from lipvit.train import head_sigmas
 
@@ -63,7 +63,6 @@ def ablation_accuracy(path: Path, n: int | None, data_dir: Path | None
     self-attention removed, on ``n`` test images (all by default). Raises
     ``ValueError`` for a model without attention blocks to remove (a ViT)."""
     from lipvit.ablation import ABLATED_KEY, ablate_attention, ablations
-    from lipvit.commands import _common as C
 
     ckpt = C.load_checkpoint(path)
     model = ckpt.model.eval()
@@ -95,23 +94,29 @@ def _fmt(value: Any) -> str:
     required=True,
     help="Checkpoint written by lipvit train, or a transformers/timm ViT.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@C.json_option
+@C.force_option
 @click.option("--ablate-attention", is_flag=True,
               help="Also measure test accuracy with and without the attention "
                    "(hybrid ViT, CaiT: lipvit.ablate_attention).")
 @click.option("--n", type=click.IntRange(min=1), default=None,
               help="Test images for --ablate-attention (default: all).")
-@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
-              help="Dataset directory for --ablate-attention.")
-def info_command(path: Path, as_json: bool, ablate_attention: bool, n: int | None,
-                 data_dir: Path | None) -> None:
-    """Print what a checkpoint holds: configs, dataset, summary, exact sigma_max."""
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None, help="Dataset directory for --ablate-attention.")
+def info_command(path: Path, json_path: Path | None, force: bool,
+                 ablate_attention: bool, n: int | None, data_dir: Path | None) -> None:
+    """Print what a checkpoint holds: configs, dataset, summary, exact sigma_max.
+
+    --json FILE writes the same as JSON; with --json - standard output holds
+    the JSON alone (the text, which says the same, is not printed)."""
+    C.check_results([json_path], force)
     d = describe_checkpoint(path)
     if ablate_attention:
         d["ablation"] = ablation_accuracy(path, n, data_dir)
-    if as_json:
-        click.echo(json.dumps(d, indent=2))
-        return
+    if json_path is not None:
+        C.write_json(json_path, d, force)
+        if C.is_stdout(json_path):
+            return
     cfg = d["model_config"]
     foreign = d["origin"] in ("transformers", "timm")
     lines = [

@@ -337,7 +337,8 @@ def write_report(plan: Plan, record: dict[str, Any]) -> Path:
     "--out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="run directory (models/, attack/, certify/, tightness/, spectrum/, report.md)",
+    help="output folder of the run (models/, attack/, certify/, tightness/, "
+         "spectrum/, report.md)",
 )
 @click.option("--force", is_flag=True, help="redo every step, even where outputs exist")
 @click.option(

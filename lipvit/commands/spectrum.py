@@ -195,7 +195,7 @@ def write_outputs(
     "--out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="output directory (spectra.png, jacobian.png, spectrum.json, CSVs)",
+    help="output folder (spectra.png, jacobian.png, spectrum.json, CSVs)",
 )
 @click.option(
     "--n",

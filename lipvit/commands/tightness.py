@@ -184,7 +184,7 @@ def write_outputs(
     "--out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="output directory (tightness.png, tightness.csv, tightness.json)",
+    help="output folder (tightness.png, tightness.csv, tightness.json)",
 )
 @C.device_option
 @threads_option

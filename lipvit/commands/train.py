@@ -134,7 +134,7 @@ class GroupedCommand(click.Command):
 )
 @click.option(
     "--data-dir",
-    type=click.Path(path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Directory with the dataset's distribution files (not for digits) "
     f"[{default_dirs_text()}].",
@@ -374,10 +374,10 @@ class GroupedCommand(click.Command):
 )
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=click.Path(dir_okay=False, path_type=Path),
     default=Path("model.pt"),
     show_default=True,
-    help="Checkpoint; the JSON summary goes next to it.",
+    help="Checkpoint file (.pt); the JSON summary goes next to it.",
 )
 @click.option(
     "--init",
