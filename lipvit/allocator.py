@@ -4,7 +4,7 @@ auto_LiRPA allocates and frees many large temporaries per bound; glibc serves
 each with a fresh ``mmap`` and returns it with ``munmap``, so every one costs
 page faults again. ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0`` keeps them on the
 heap, where freed memory is reused (measured 1.4–1.8× less CPU time per CROWN
-sample; bench figures in docs/results.md). glibc reads the variable only at process
+sample; figures in docs/results/speed.md). glibc reads the variable only at process
 start, so :func:`reexec_with_crown_allocator` replaces the process by the same
 command with it set: once (a guard variable), on Linux with glibc, and only
 when the process is ``lipvit`` itself (``python -m lipvit`` or the ``lipvit``

@@ -271,7 +271,7 @@ _FMNIST_3X64: dict[str, Any] = dict(
     # leaves the class token about 0.03 of norm per block, and the model
     # underfits (79.6 % test after 20 epochs, 80.6 % train); radius 8 and caps 1
     # reach 80.4 % after 2 epochs against 72.5 % (measured on 1 CPU thread,
-    # docs/results.md).
+    # docs/results/fashion-mnist.md).
     attn_radius=8.0,
     v_cap=1.0,
     o_cap=1.0,
@@ -318,7 +318,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # lipschitz model is short of capacity (86.7 % train, 85.1 % test) and its
     # attention near uniform, so each 4×4 patch sees little beyond its own
     # pixels; this one reaches 87.4 % test in 24 minutes on one CPU thread
-    # (docs/fashion-mnist.md). Projection radius and caps as fmnist-3x64.
+    # (docs/results/fashion-mnist.md). Projection radius and caps as fmnist-3x64.
     "fmnist-p7-3x128": dict(_FMNIST_3X64, patch_size=7, embed_dim=128),
     # The lipschitz family's Fashion-MNIST default: the hybrid ViT (a
     # 1-Lipschitz convolutional stem to 7×7 tokens of width 64, one gated

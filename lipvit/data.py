@@ -308,7 +308,7 @@ _AUGMENT: dict[str, Augment] = {
     # A mirrored garment or shoe is of the same class, so Fashion-MNIST takes
     # flips. Shifts of up to 2 pixels (half a 4-pixel patch) made the 3×64
     # standard ViT underfit in 30 epochs (88.2 % against 90.1 % with flips
-    # alone, docs/fashion-mnist.md).
+    # alone, docs/results/fashion-mnist.md).
     "fashion-mnist": Augment(pad=0, flip=True),
     "svhn": Augment(pad=2, flip=False, pad_mode="reflect"),
     "cifar10": Augment(pad=4, flip=True, pad_mode="reflect"),

@@ -165,7 +165,7 @@ HOST_LINALG_MAX = 1024
 tensor :func:`eigvalsh`, :func:`eigh` and :func:`spectral_norm` solve on the
 host (LAPACK, one copy each way) where no gradient is needed: cuSOLVER reads
 back a status per matrix of a batch, thousands of host synchronisations per
-certificate (docs/results.md, "On a GPU"). ``0`` keeps every problem on the
+certificate (docs/results/taylor.md, "On a GPU"). ``0`` keeps every problem on the
 device (``bench/user/taylor_scale.py --host-linalg-max 0`` compares)."""
 
 

@@ -228,7 +228,7 @@ def test_training_lowers_the_charged_margin_drop(tmp_path, digits_data):
     terms) ends well below plain training's, its ReLU part far below (measured:
     D 5.8e-4 → 1.2e-4, ReLU term 1.0e-4 → 5.8e-6). The tiny model is barely
     trained after three epochs; what the loss buys in certificates is measured on
-    digits-small in docs/certified-training.md."""
+    digits-small in docs/results/certified-training.md."""
     data = digits_data
     cfg = tiny_config("lipschitz", mean=data.mean, std=data.std)
     x, y = data.x_test[:300].double(), data.y_test[:300]

@@ -1,6 +1,8 @@
-"""Every relative link in README.md and docs/*.md resolves: the file, and the
-``#anchor`` to one of its headings (GitHub's slugs). Links inside code are not
-links; neither are ``#`` lines inside fenced code blocks headings."""
+"""Every relative link in README.md and docs/ (docs/results/ included) resolves:
+the file, and the ``#anchor`` to one of its headings (GitHub's slugs). Links
+inside code are not links; neither are ``#`` lines inside fenced code blocks
+headings. The guides (README.md and docs/ outside docs/results/) carry no
+dates: measurements, with their dates, live in the lab notebook, docs/results/."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+RESULTS = ROOT / "docs" / "results"
+GUIDES = [path for path in DOCS if RESULTS not in path.parents]
+DATE = re.compile(r"20\d\d-\d\d-\d\d")
 
 FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
@@ -65,6 +70,24 @@ def broken_links(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path: Path) -> None:
     assert broken_links(path) == []
+
+
+def test_the_notebook_is_covered() -> None:
+    """The link check reaches docs/results/, and the guides exclude it."""
+    notebook = [path for path in DOCS if RESULTS in path.parents]
+    assert RESULTS / "README.md" in notebook and len(notebook) > 1
+    assert not set(notebook) & set(GUIDES)
+    assert ROOT / "README.md" in GUIDES and ROOT / "docs" / "taylor.md" in GUIDES
+
+
+@pytest.mark.parametrize("path", GUIDES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_guides_carry_no_dates(path: Path) -> None:
+    """Guides and reference say how things are, not when: a dated measurement
+    belongs in docs/results/, and the guide links to it."""
+    text = path.read_text(encoding="utf-8")
+    dated = [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+             for m in DATE.finditer(text)]
+    assert dated == [], f"dates in a guide (move them to docs/results/): {dated}"
 
 
 def test_the_checker_finds_missing_files_and_anchors(tmp_path: Path) -> None:

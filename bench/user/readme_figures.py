@@ -1,5 +1,5 @@
-"""Print every figure docs/results.md (and the README's headline table) quotes from
-a pipeline run, with the machine and date.
+"""Print every figure docs/results/digits.md (and the README's headline table)
+quotes from a pipeline run, with the machine and date.
 
 Usage::
 

@@ -775,7 +775,7 @@ class TaylorBound:
 RADIUS_GUESS = 0.25
 """First probe of :meth:`TaylorBound.radius`, as a fraction of the first-order
 limit: on the Fashion-MNIST lipschitz model the median certified radius is
-0.24 times the median first-order limit (docs/fashion-mnist.md); probes above
+0.24 times the median first-order limit (docs/taylor.md §9); probes above
 the radius cost most (every unit that can flip is a symbol), so the guess errs
 low."""
 

@@ -1,5 +1,5 @@
-"""Certified training for the ``ball`` certificate (docs/certified-training.md,
-"CaiT").
+"""Certified training for the ``ball`` certificate (docs/fashion-mnist.md,
+"The CaiT").
 
 ``ball`` certifies class ``y`` at radius ``ε`` when every wrong class ``j`` has
 ``f_y − f_j > ε L(x, ε) ‖w_y − w_j‖`` (:func:`lipvit.certify.ball.network.

@@ -218,7 +218,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 # epochs fit a lipschitz model in under 30 minutes, unaugmented. The standard
 # model (about 40 s an epoch on two threads) gets 30 epochs, label smoothing
 # 0.1 and the dataset's flips, which is what brought it from 89.3 % (20
-# epochs) to 90.1 % (docs/fashion-mnist.md: shifts made it underfit, 88.2 %;
+# epochs) to 90.1 % (docs/results/fashion-mnist.md: shifts made it underfit, 88.2 %;
 # unaugmented it overfit, 89.5 %). The lipschitz model trains for the taylor
 # certificate with a ReLU-stability weight of 0.2: 85.1 % test accuracy
 # against 86.0 % without, taylor certificates at ε = 0.1 for 49 % of 100 test
@@ -237,7 +237,7 @@ DATASET_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
 # certify ε = 0.1 under a constant of 1; Adam at 1e-3, batches of 256, 20
 # epochs, no augmentation, no ReLU (it has none) or MSVP penalty (its
 # attention's constant is in the model). How these were found and what they
-# cost: docs/fashion-mnist.md, "The hybrid ViT".
+# cost: docs/results/fashion-mnist.md, "The hybrid ViT".
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "hybrid": dict(epochs=20, batch_size=256, lr=1e-3, optimizer="adamw",
                    weight_decay=0.0, warmup=2.0, loss_scale=4.0,
