@@ -929,7 +929,7 @@ def ckpt(trained_ckpts):
 
 
 def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits, monkeypatch):
-    from lipvit.certify import evaluate
+    from lipvit.certify import certifier
 
     from lipvit.checkpoint import load_checkpoint
 
@@ -942,7 +942,7 @@ def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits, monkeypatc
     eps = float(radii[radii > 0].median())
     # certify_samples' taylor certificates at ε come from the bound of the same
     # model, points and labels (default settings): the one above, built once.
-    build, shared = evaluate.taylor_bound, []
+    build, shared = certifier.taylor_bound, []
 
     def taylor_bound_once(m, xs, ys, **kw):
         if (torch.equal(xs, x) and torch.equal(ys, y)
@@ -951,7 +951,7 @@ def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits, monkeypatc
             return tb
         return build(m, xs, ys, **kw)
 
-    monkeypatch.setattr(evaluate, "taylor_bound", taylor_bound_once)
+    monkeypatch.setattr(certifier, "taylor_bound", taylor_bound_once)
     report = certify_samples(model, x, y, ["taylor", "lofast"], [eps])
     assert shared == [True]
     monkeypatch.undo()
