@@ -40,6 +40,7 @@ from .methods import (
     RADIUS_METHODS,
     check_method_names,
     check_methods,
+    default_method,
 )
 from .smoothing import SmoothingCertificate, SmoothingConfig, certify_smoothed
 from .taylor.certificate import taylor_bound
@@ -126,8 +127,6 @@ class Certifier:
                  progress: Callable[[float], None] | None = None):
         t0 = time.perf_counter()
         if method is None:
-            from lipvit.commands.certify import default_method
-
             method, _ = default_method(model)
         check_method_names([method])
         check_methods(model, [method])

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lipvit.certify.attention import bound_weights
 from lipvit.certify.global_bound import check_global
 from lipvit.certify.lofast.network import METHODS as BOUND_METHODS
+from lipvit.certify.lofast.network import check_dot_attention
 from lipvit.certify.smoothing import GUARANTEE
+from lipvit.certify.taylor.forward import check_supported
 
 from lipvit.errors import UnsupportedModelError
 
@@ -80,3 +83,42 @@ def check_methods(model, methods: Sequence[str]) -> None:
                 f"(arch {arch!r}) is certified by its proven constants: use "
                 "--method ball or global"
             )
+
+
+def taylor_unsupported(model) -> str | None:
+    """Why ``taylor`` cannot bound ``model`` (one line), or None where it can."""
+    try:
+        check_supported(model)
+        check_dot_attention(model, "taylor")
+    except UnsupportedModelError as err:
+        return str(err)
+    return None
+
+
+DEFAULT_METHODS = {"vit": "taylor", "hybrid": "ball", "cait": "ball"}
+"""A ``certify`` without ``--method``, per architecture: the best sound method
+each supports at its speed (``taylor``: first-order exact; ``ball``: the local
+constants over the ε-ball, never weaker than ``global``; ``margin`` is never
+weaker than ``ball`` but several times slower: ask for it). A ViT that taylor
+cannot bound falls back to ``lofast``, with a one-line note."""
+
+
+def default_method(model) -> tuple[str, str | None]:
+    """The method of a ``certify`` without ``--method`` (:data:`DEFAULT_METHODS`)
+    and the one-line note that says why, where it is not the architecture's
+    first choice.
+
+    Raises:
+        UnsupportedModelError: lofast cannot bound the model either (its reason).
+    """
+    arch = getattr(model.config, "arch", "vit")
+    if arch != "vit":
+        return DEFAULT_METHODS[arch], None
+    why = taylor_unsupported(model)
+    if why is None:
+        return DEFAULT_METHODS[arch], None
+    check_dot_attention(model, "the lofast network bound")
+    for block in model.blocks:
+        bound_weights(block.attn)  # refuses query/key biases
+    return "lofast", (f"note: taylor cannot bound this model ({why}); certifying "
+                      "with lofast")

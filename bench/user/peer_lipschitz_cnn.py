@@ -69,11 +69,11 @@ from lipvit.analysis.attacks import admissible, perturb
 from lipvit.certify.certification import ROUNDING, float64_model
 from lipvit.certify.evaluate import certify_samples
 from lipvit.certify.global_bound import GlobalConstant, global_constant, global_radius
+from lipvit.certify.methods import default_method
 from torch import Tensor, nn
 
 from lipvit.ablation import ablate_attention, ablations
 from lipvit.commands import _common as C
-from lipvit.commands.certify import default_method
 from lipvit.data import load_dataset
 from lipvit.spectral import conv_operator_norm, spectral_norm
 

@@ -12,7 +12,6 @@ from click.core import ParameterSource
 from tqdm import tqdm
 
 from lipvit.allocator import reexec_with_crown_allocator
-from lipvit.certify.attention import bound_weights
 from lipvit.certify.evaluate import (
     ALL_METHODS,
     QUANTITIES,
@@ -22,8 +21,8 @@ from lipvit.certify.evaluate import (
     merge_records,
     report_record,
 )
-from lipvit.certify.lofast.network import check_dot_attention
 from lipvit.certify.memory import parse_memory
+from lipvit.certify.methods import DEFAULT_METHODS, default_method, taylor_unsupported
 from lipvit.certify.smoothing import SmoothingConfig
 from lipvit.certify.taylor.forward import check_supported
 from lipvit.certify.taylor.jacobian_norms import (
@@ -45,52 +44,12 @@ from lipvit.distributed import (
     shard_path,
     shard_slice,
 )
-from lipvit.errors import UnsupportedModelError
 from lipvit.train import cpu_threads
 
 TAYLOR_METHODS = frozenset({"taylor", "cascade-taylor"})
 """The methods that run ``taylor``: its radius search is the costly part, so a run
 with one of them computes radii only with ``--radius`` (other runs always do:
 the bound methods' radii are nearly free)."""
-
-
-def taylor_unsupported(model) -> str | None:
-    """Why ``taylor`` cannot bound ``model`` (one line), or None where it can."""
-    try:
-        check_supported(model)
-        check_dot_attention(model, "taylor")
-    except UnsupportedModelError as err:
-        return str(err)
-    return None
-
-
-DEFAULT_METHODS = {"vit": "taylor", "hybrid": "ball", "cait": "ball"}
-"""A ``certify`` without ``--method``, per architecture: the best sound method
-each supports at its speed (``taylor``: first-order exact; ``ball``: the local
-constants over the ε-ball, never weaker than ``global``; ``margin`` is never
-weaker than ``ball`` but several times slower: ask for it). A ViT that taylor
-cannot bound falls back to ``lofast``, with a one-line note."""
-
-
-def default_method(model) -> tuple[str, str | None]:
-    """The method of a ``certify`` without ``--method`` (:data:`DEFAULT_METHODS`)
-    and the one-line note that says why, where it is not the architecture's
-    first choice.
-
-    Raises:
-        UnsupportedModelError: lofast cannot bound the model either (its reason).
-    """
-    arch = getattr(model.config, "arch", "vit")
-    if arch != "vit":
-        return DEFAULT_METHODS[arch], None
-    why = taylor_unsupported(model)
-    if why is None:
-        return DEFAULT_METHODS[arch], None
-    check_dot_attention(model, "the lofast network bound")
-    for block in model.blocks:
-        bound_weights(block.attn)  # refuses query/key biases
-    return "lofast", (f"note: taylor cannot bound this model ({why}); certifying "
-                      "with lofast")
 
 
 def _methods_help() -> str:
