@@ -222,6 +222,28 @@ def gram_norm(T: Tensor) -> Tensor:
     return top_root(T.transpose(-1, -2) @ T)
 
 
+def ritz_lambda_max(G: Tensor, k: int = 8, iterations: int = 40) -> Tensor:
+    """Estimate of ``λ_max`` of symmetric PSD ``G`` ``(..., n, n)``, ``(...)``:
+    the top Ritz value of ``k``-dimensional subspace iteration from a seeded
+    start, to a relative ``1e-11`` or ``iterations`` steps. It converges
+    **from below**: an estimate, never a certified bound (a Cholesky
+    certificate proves a value above it:
+    :func:`lipvit.certify.lofast.layer.certified_lambda_max`)."""
+    flat = G.reshape(-1, *G.shape[-2:])  # (batch, n, n)
+    gen = torch.Generator(device=G.device).manual_seed(0)
+    V = torch.randn(flat.shape[0], flat.shape[-1], min(k, flat.shape[-1]),
+                    dtype=G.dtype, device=G.device, generator=gen)
+    theta = torch.zeros(flat.shape[0], dtype=G.dtype, device=G.device)
+    for _ in range(iterations):
+        V, _ = torch.linalg.qr(flat @ V)  # (batch, n, k)
+        ritz = torch.linalg.eigvalsh(V.transpose(1, 2) @ flat @ V)[:, -1]
+        done = bool(((ritz - theta).abs() <= 1e-11 * ritz.abs()).all())
+        theta = ritz
+        if done:
+            break
+    return theta.reshape(G.shape[:-2])
+
+
 def top_root(gram: Tensor) -> Tensor:
     """``√λ_max`` of symmetric PSD matrices ``(..., k, k)``, rounded up."""
     lam = eigvalsh(gram)[..., -1].clamp_min(0)

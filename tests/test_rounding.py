@@ -112,3 +112,32 @@ def test_small_cuda_problems_on_either_side_agree_with_the_cpu(monkeypatch, host
     W = K.cuda().requires_grad_()
     spectral.spectral_norm(W).sum().backward()
     assert W.grad is not None and W.grad.device.type == "cuda"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_taylor_attention_norm_is_certified_above_a_poor_estimate(seed):
+    """The attention sub-block norms of ``taylor`` (subblock._certified_norm)
+    are a Cholesky certificate above subspace iteration's estimate, which
+    converges from below: on a spectrum with a near tie at the top a short
+    iteration's estimate is below σ_max, and the certificate built on it is
+    still above (a copy that returned the estimate would fail here)."""
+    from lipvit.certify.lofast.layer import certified_lambda_max
+    from lipvit.certify.taylor.subblock import _certified_norm
+
+    from lipvit.spectral import ritz_lambda_max
+
+    g = torch.Generator().manual_seed(seed)
+    n = 300
+    U, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=DT))
+    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=DT))
+    s = torch.linspace(1, 0.01, n, dtype=DT)
+    s[1:6] = 1 - 1e-4 * torch.arange(1, 6, dtype=DT)  # near ties below σ_max = 1
+    T = U @ torch.diag(s) @ V.T
+    exact = torch.linalg.matrix_norm(T, ord=2)
+    G = T @ T.T
+    poor = ritz_lambda_max(G, k=1, iterations=3)
+    assert poor.sqrt() < exact * (1 - 1e-7)  # the estimate alone is no bound
+    assert certified_lambda_max(G.clone(), float(poor), 1e-10, tau_max=1e-6,
+                                scale=float(T.pow(2).sum()), inner=n) >= exact**2
+    bound = _certified_norm(T)
+    assert exact * (1 - 1e-13) <= bound <= exact * (1 + 1e-6)

@@ -1053,8 +1053,9 @@ def test_subblock_norms_are_exact(family, project, push, monkeypatch):
         for b in range(2):
             attn = norm(lambda v, blk=blk: v + blk.attn(blk.norm1(v[None]))[0], X[b])
             bare = norm(lambda v, blk=blk: blk.attn(v[None])[0], clean.attn_in[k][b])
-            assert torch.allclose(sub.attn[b, k], attn, rtol=1e-9)
-            assert torch.allclose(sub.bare[b, k], bare, rtol=1e-9)
+            # upper bounds (a Cholesky certificate above the estimate), tight
+            for bound, exact in ((sub.attn[b, k], attn), (sub.bare[b, k], bare)):
+                assert exact * (1 - 1e-12) <= bound <= exact * (1 + 1e-6)
             for t in (0, 5):
                 def ff(v, blk=blk):
                     out = blk.mlp(blk.norm2(v[None, None]))[0, 0]

@@ -187,10 +187,11 @@ class NormBound:
 
 
 def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7, *,
-                         scale: float = 0.0, inner: int = 0) -> float:
+                         scale: float = 0.0, inner: int = 0,
+                         tau_max: float = 0.1) -> float:
     """Guaranteed upper bound of ``λ_max(G)`` for a symmetric PSD ``G``, ``(n, n)``.
 
-    For ``μ = lower · (1 + τ)``, ``τ = τ0, 10 τ0, …, ≤ 0.1``: if a floating-point
+    For ``μ = lower · (1 + τ)``, ``τ = τ0, 10 τ0, …, ≤ tau_max``: if a floating-point
     Cholesky factorisation of ``μ I − G − c I`` runs to completion, then
     ``μ I − G`` is positive definite and ``λ_max(G) < μ``: a completed
     Cholesky factor ``R`` of ``Ã`` satisfies ``RᵀR = Ã + ΔA`` with
@@ -208,7 +209,7 @@ def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7, *,
         G: symmetric PSD matrix, float64.
         lower: an estimate of ``λ_max(G)`` (ideally from below; any value is
             sound, a poor one only costs time).
-        tau0: first relative increment tried.
+        tau0: first relative increment tried; ``tau_max`` the last.
         scale, inner: bound of ``‖K̃‖_F²`` and the dot-product length with
             which ``G`` was formed (:func:`lipvit.spectral.eigvalsh_upper`).
 
@@ -220,14 +221,14 @@ def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7, *,
     u = torch.finfo(torch.float64).eps / 2
     g = (n + 2) * u / (1 - (n + 2) * u)
     tiny = torch.finfo(torch.float64).tiny
-    scale = max(float(G.diagonal().max()), tiny)
+    formed = gamma(inner + 2) * float(scale)  # rounding of forming G
+    scale = max(float(G.diagonal().max()), float(scale), tiny)
     lower = max(float(lower), 0.0)
     tau = max(float(tau0), 1e-12)
-    formed = gamma(inner + 2) * float(scale)  # rounding of forming G
     G.neg_()  # exact; undone in `finally`
     diag = G.diagonal().clone()  # −G_ii
     try:
-        while tau <= 0.1:
+        while tau <= tau_max * (1 + 1e-9):
             mu = lower * (1 + tau) + tau * 1e-12 * scale
             trace_A = float((diag + mu).clamp_min(0).sum())  # tr(μI − G)
             margin = 2 * g / (1 - 2 * g) * trace_A + 1e3 * tiny
