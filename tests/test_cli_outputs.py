@@ -249,3 +249,15 @@ def test_dash_sends_results_alone_to_stdout(tmp_path):
     assert json.loads(js.read_text()) == {"x": None, "y": 1}
     r = CliRunner().invoke(fake, ["--json", str(js)])
     assert "--force" in str(r.exception)
+
+
+NO_COMPUTE = {"plot certified", "plot gap", "plot tradeoff", "export"}
+"""The commands that only draw or convert files: no --threads."""
+
+
+def test_every_command_that_computes_takes_threads():
+    names = {" ".join(path): command for path, command in _all_commands()}
+    assert NO_COMPUTE <= set(names)
+    for name, command in names.items():
+        if name not in NO_COMPUTE:
+            assert any("--threads" in o.opts for o in _options(command)), name

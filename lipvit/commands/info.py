@@ -103,6 +103,7 @@ def _fmt(value: Any) -> str:
               help="Test images for --ablate-attention (default: all).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, help="Dataset directory for --ablate-attention.")
+@C.threads_option
 def info_command(path: Path, json_path: Path | None, force: bool,
                  ablate_attention: bool, n: int | None, data_dir: Path | None) -> None:
     """Print what a checkpoint holds: configs, dataset, summary, exact sigma_max.
