@@ -112,7 +112,9 @@ def test_second_run_skips_everything(run_dir):
     # The timings table says what each step ran.
     text = (out / "report.md").read_text()
     assert ("| certify/msvp | certify msvp (lofast, lofast-fast, specformer, taylor; "
-            "8 points, radii) |") in text
+            "8 points) |") in text
+    assert ("| certify/lipschitz | certify lipschitz (lofast, lofast-fast, specformer, "
+            "taylor; 8 points, radii) |") in text
 
 
 def test_missing_or_stale_outputs_rerun_only_their_steps(run_dir):
