@@ -117,7 +117,8 @@ def test_default_falls_back_to_lofast_in_one_line(ckpt, monkeypatch):
     def unsupported(model):
         raise UnsupportedModelError("block 0: unsupported feed-forward layer")
 
-    monkeypatch.setattr(command, "check_supported", unsupported)
+    for module in (command, importlib.import_module("lipvit.certify.methods")):
+        monkeypatch.setattr(module, "check_supported", unsupported)
     result = CliRunner().invoke(main, ["certify", "--ckpt", str(ckpt), "--eps", "0.01",
                                        "--n", "4"])
     assert result.exit_code == 0, result.output
