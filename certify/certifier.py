@@ -114,6 +114,9 @@ class Certifier:
         smoothing: the settings of ``smoothing`` (required with it).
         progress: optional callable ``(points) -> None``, called as the work
             goes (after each batch, and after every CROWN point).
+        crown: CROWN's bounded model of this model to reuse
+            (:func:`lipvit.certify.crown.bounds.crown_model`; CROWN, alpha-CROWN
+            and the cascades), else built here.
 
     Raises:
         UnsupportedModelError: the method cannot bound this architecture.
@@ -124,7 +127,7 @@ class Certifier:
                  radius_tol: float = 1e-3, batch_size: int = 64,
                  max_memory: int | None = None, max_symbols: int | None = None,
                  smoothing: SmoothingConfig | None = None,
-                 progress: Callable[[float], None] | None = None):
+                 progress: Callable[[float], None] | None = None, crown=None):
         t0 = time.perf_counter()
         if method is None:
             method, _ = default_method(model)
@@ -138,13 +141,14 @@ class Certifier:
         self.smoothing, self.progress = smoothing, progress
         # smoothing's base classifier is the network's float32 copy
         self.model = model if method == "smoothing" else float64_model(model)
-        self._chain = self._global = self._crown = None
+        self._chain = self._global = None
+        self._crown = crown
         with torch.no_grad(), parametrize.cached():
             if method in ("ball", "margin"):
                 self._chain = proven_chain(self.model)
             elif method == "global":
                 self._global = global_constant(self.model)
-        if method in LIRPA_METHODS or method in CASCADES:
+        if self._crown is None and (method in LIRPA_METHODS or method in CASCADES):
             from lipvit.certify.crown.bounds import crown_model
 
             self._crown = crown_model(self.model, next(self.model.parameters()).device)

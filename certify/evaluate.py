@@ -15,6 +15,8 @@ from lipvit.certify.certifier import Certifier
 from lipvit.certify.eps import check_eps_list
 from lipvit.certify.methods import (
     ALL_METHODS,
+    CASCADES,
+    LIRPA_METHODS,
     check_method_names,
     check_methods,
     guarantee_of,
@@ -256,6 +258,11 @@ def certify_samples(
         if progress is not None:
             progress(samples / len(methods))
 
+    crown = None  # one bounded model for every CROWN method of the run
+    if any(m in LIRPA_METHODS or m in CASCADES for m in methods):
+        from lipvit.certify.crown.bounds import crown_model
+
+        crown = crown_model(float64_model(model), x.device)
     certified: dict[str, Tensor] = {}
     radii: dict[str, Tensor] = {}
     results: list[MethodResult] = []
@@ -263,7 +270,7 @@ def certify_samples(
     for method in methods:
         cert = Certifier(model, method, radius_tol=radius_tol, batch_size=batch_size,
                          max_memory=max_memory, max_symbols=max_symbols,
-                         smoothing=smoothing, progress=advance)
+                         smoothing=smoothing, progress=advance, crown=crown)
         out = cert.certify(x, y, eps_list, index=index, radius=radius)
         for e, eps in enumerate(eps_list):
             certified[f"{method}@{eps}"] = out.certified[:, e]
