@@ -133,6 +133,13 @@ SLOW_TESTS = (
     # (tests/test_symbols.py).
     "tests/test_taylor.py::test_cli_max_memory",
     "tests/test_taylor.py::test_cli_max_symbols",
+    # Each covered in the quick run by a sibling: alpha-CROWN on the lipschitz
+    # family and CROWN on the standard one; the first ε of the same seed; the
+    # other norms' mode of the standard family.
+    "tests/test_alpha_crown.py::test_standard_family_alpha_crown_is_crown",
+    "tests/test_alpha_crown.py::test_certified_points_survive_pgd[[]0-0.02]",
+    "tests/test_batched.py::test_taylor_of_a_batch_is_each_samples_alone"
+    "[[]True-standard-kw2-None]",
     # The wheel built, installed in a fresh venv and run (about 15 s).
     "tests/test_wheel.py::*",
 )
