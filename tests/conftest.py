@@ -8,6 +8,7 @@ machine.
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -226,6 +227,24 @@ def quick_train(model: torch.nn.Module, data: Dataset, steps: int,
 TRAINED_EPOCHS = {"lipschitz": 8, "standard": 4}
 
 
+def shared_file(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``name`` in a folder of this run that every xdist worker shares, made by
+    ``build(path)`` once for the whole run: the first worker to ask builds it
+    under a file lock, the others wait and read it (seeded trainings: the
+    same file whichever worker builds it)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's base folder, above each worker's own
+    path = root / "shared" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            build(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def trained_ckpts(digits: Dataset, tmp_path_factory) -> dict[str, Path]:
     """One digits-tiny checkpoint per family, trained once for the whole session.
@@ -238,13 +257,14 @@ def trained_ckpts(digits: Dataset, tmp_path_factory) -> dict[str, Path]:
     from lipvit.config import preset
     from lipvit.train import train, train_config_for
 
-    root = tmp_path_factory.mktemp("trained")
     paths = {}
     for family, epochs in TRAINED_EPOCHS.items():
         cfg = preset("digits-tiny", family=family, mean=digits.mean, std=digits.std)
         tcfg = train_config_for(family, epochs=epochs, device="cpu", msvp=(1e-3,) * 3)
-        paths[family] = root / f"{family}.pt"
-        train(cfg, tcfg, digits, paths[family], progress=False)
+        paths[family] = shared_file(
+            tmp_path_factory, f"trained/{family}.pt",
+            lambda path, cfg=cfg, tcfg=tcfg: train(cfg, tcfg, digits, path,
+                                                   progress=False))
     return paths
 
 
@@ -256,12 +276,12 @@ def trained_cait(digits: Dataset, tmp_path_factory) -> torch.nn.Module:
     from lipvit.config import preset
     from lipvit.train import train, train_config_for
 
-    out = tmp_path_factory.mktemp("cait") / "c.pt"
     cfg = preset("fmnist-cait", image_size=8, embed_dim=16, stem_width=8,
                  head_hidden=32, cls_heads=4, cls_value_dim=8)
     tc = train_config_for("lipschitz", "digits", arch="cait", epochs=12,
                           batch_size=64, device="cpu", seed=0, cert_eps=0.1)
-    train(cfg, tc, digits, out, progress=False)
+    out = shared_file(tmp_path_factory, "cait/c.pt",
+                      lambda path: train(cfg, tc, digits, path, progress=False))
     return load_checkpoint(out).model.double().eval()
 
 
