@@ -40,6 +40,7 @@ from .methods import (
     RADIUS_METHODS,
     check_method_names,
     check_methods,
+    check_smoothing_settings,
     default_method,
 )
 from .smoothing import SmoothingCertificate, SmoothingConfig, certify_smoothed
@@ -133,9 +134,7 @@ class Certifier:
             method, _ = default_method(model)
         check_method_names([method])
         check_methods(model, [method])
-        if method == "smoothing" and not isinstance(smoothing, SmoothingConfig):
-            raise ValueError("smoothing needs its settings: pass smoothing="
-                             "SmoothingConfig(sigma=...)")
+        check_smoothing_settings([method], smoothing)
         self.method, self.radius_tol, self.batch_size = method, radius_tol, batch_size
         self.max_memory, self.max_symbols = max_memory, max_symbols
         self.smoothing, self.progress = smoothing, progress
@@ -192,6 +191,7 @@ class Certifier:
                ) -> None:
         """One batch of the method into ``run``'s columns and radii."""
         method = self.method
+        m_cert = certified_margin(logits, y)  # rounded down
         if method == "global":
             r = run.timed(lambda: global_radius(logits, y, self._global))
             # r is itself a certified radius (rounded down): ε ≤ r certifies.
@@ -209,7 +209,6 @@ class Certifier:
             self._taylor(x, y, radius, run)
         elif method in BOUND_METHODS or method == "cascade":
             name = "lofast" if method == "cascade" else method
-            m_cert = certified_margin(logits, y)  # rounded down
             bound = run.timed(lambda: network_bound(self.model, x, name))
             self._decide(lambda eps: is_certified(m_cert, bound.delta_out(eps)),
                          run, radius and method != "cascade",
@@ -222,7 +221,6 @@ class Certifier:
                     lambda eps=eps: self._crown_each(x, y, eps, LIRPA_METHODS[method],
                                                      len(run.eps)), e))
         elif method in CASCADES:
-            m_cert = certified_margin(logits, y)
             for e, eps in enumerate(run.eps):
                 ok = run.columns[e][-1]
                 rest = (~ok) & (m_cert > 0)

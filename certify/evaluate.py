@@ -19,6 +19,7 @@ from lipvit.certify.methods import (
     LIRPA_METHODS,
     check_method_names,
     check_methods,
+    check_smoothing_settings,
     guarantee_of,
 )
 from lipvit.certify.smoothing import (
@@ -249,10 +250,9 @@ def certify_samples(
     check_method_names(methods)
     check_methods(model, methods)
     eps_list = [float(e) for e in check_eps_list(eps_list)]
-    if "smoothing" in methods and not isinstance(smoothing, SmoothingConfig):
-        raise ValueError("smoothing needs its settings: pass smoothing="
-                         "SmoothingConfig(sigma=...)")
+    check_smoothing_settings(methods, smoothing)  # before any method's work
     n = x.shape[0]
+    network = float64_model(model)  # its logits, CROWN's bounded model
 
     def advance(samples: float) -> None:
         if progress is not None:
@@ -262,7 +262,7 @@ def certify_samples(
     if any(m in LIRPA_METHODS or m in CASCADES for m in methods):
         from lipvit.certify.crown.bounds import crown_model
 
-        crown = crown_model(float64_model(model), x.device)
+        crown = crown_model(network, x.device)
     certified: dict[str, Tensor] = {}
     radii: dict[str, Tensor] = {}
     results: list[MethodResult] = []
@@ -287,7 +287,6 @@ def certify_samples(
                          guarantee_of(method), **settings)
             for e, eps in enumerate(eps_list))
     # the network's predictions and margins, whatever the methods
-    network = float64_model(model)
     with torch.no_grad():
         logits = torch.cat([network(x[s:s + batch_size].to(torch.float64))
                             for s in range(0, n, batch_size)])

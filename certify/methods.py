@@ -26,7 +26,7 @@ from lipvit.certify.attention import bound_weights
 from lipvit.certify.global_bound import check_global
 from lipvit.certify.lofast.network import METHODS as BOUND_METHODS
 from lipvit.certify.lofast.network import check_dot_attention
-from lipvit.certify.smoothing import GUARANTEE
+from lipvit.certify.smoothing import GUARANTEE, SmoothingConfig
 from lipvit.certify.taylor.forward import check_supported
 
 from lipvit.errors import UnsupportedModelError
@@ -65,6 +65,13 @@ def check_method_names(methods: Sequence[str]) -> None:
             f"unknown method {unknown[0]!r}; choose from {', '.join(ALL_METHODS)}")
     if not methods:
         raise ValueError("give at least one method")
+
+
+def check_smoothing_settings(methods: Sequence[str], smoothing) -> None:
+    """Refuse ``smoothing`` without its :class:`SmoothingConfig` (one line)."""
+    if "smoothing" in methods and not isinstance(smoothing, SmoothingConfig):
+        raise ValueError("smoothing needs its settings: pass smoothing="
+                         "SmoothingConfig(sigma=...)")
 
 
 def check_methods(model, methods: Sequence[str]) -> None:

@@ -139,6 +139,9 @@ def build_plan(
         ckpt = plan.model(name)
         js, cs = out / "certify" / f"{name}.json", out / "certify" / f"{name}.csv"
         methods = "ball,global" if proven and name == "lipschitz" else s.certify_methods
+        # radii where the gap is drawn: the standard model's second-order
+        # Taylor models make its radius search the costliest step of the job
+        radii = name == "lipschitz"
         args = (
             "--ckpt",
             str(ckpt),
@@ -146,9 +149,7 @@ def build_plan(
             s.certify_eps,
             "--method",
             methods,
-            # radii where the gap is drawn: the standard model's second-order
-            # Taylor models make its radius search the costliest step of the job
-            *(("--radius",) if name == "lipschitz" else ()),
+            *(("--radius",) if radii else ()),
             "--n",
             str(s.certify_n),
             *dev,
@@ -161,7 +162,7 @@ def build_plan(
             Step(
                 f"certify/{name}",
                 f"certify {name} ({methods.replace(',', ', ')}; {s.certify_n} points"
-                f"{', radii' if name == 'lipschitz' else ''})",
+                f"{', radii' if radii else ''})",
                 certify,
                 args,
                 (js, cs),
