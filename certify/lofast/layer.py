@@ -222,14 +222,14 @@ def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7, *,
     g = (n + 2) * u / (1 - (n + 2) * u)
     tiny = torch.finfo(torch.float64).tiny
     formed = gamma(inner + 2) * float(scale)  # rounding of forming G
-    scale = max(float(G.diagonal().max()), float(scale), tiny)
+    largest = max(float(G.diagonal().max()), tiny)  # the shift's scale
     lower = max(float(lower), 0.0)
     tau = max(float(tau0), 1e-12)
     G.neg_()  # exact; undone in `finally`
     diag = G.diagonal().clone()  # −G_ii
     try:
         while tau <= tau_max * (1 + 1e-9):
-            mu = lower * (1 + tau) + tau * 1e-12 * scale
+            mu = lower * (1 + tau) + tau * 1e-12 * largest
             trace_A = float((diag + mu).clamp_min(0).sum())  # tr(μI − G)
             margin = 2 * g / (1 - 2 * g) * trace_A + 1e3 * tiny
             G.diagonal().copy_(diag + (mu - margin))  # μI − G − cI, rounded once
@@ -240,7 +240,7 @@ def certified_lambda_max(G: Tensor, lower: float, tau0: float = 1e-7, *,
     finally:
         G.diagonal().copy_(diag)
         G.neg_()
-    return float(eigvalsh_upper(G, scale, inner))
+    return float(eigvalsh_upper(G, max(float(scale), largest), inner))
 
 
 class _Estimate(NamedTuple):
