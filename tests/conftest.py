@@ -154,10 +154,25 @@ def _same_rng_state_for_every_test() -> None:
     torch.manual_seed(0)
 
 
+# The modules that take longest in the full run (``pytest --durations=0``,
+# summed per file), longest first. ``-n auto`` hands out whole files in
+# collection order (``--dist loadfile``), so these are collected first and the
+# many short files fill the workers' ends: longest first keeps the two
+# workers busy until the last seconds.
+LONGEST_FIRST = (
+    "test_taylor.py", "test_alpha_crown.py", "test_jets.py",
+    "test_certify_distributed.py", "test_certify.py", "test_crown.py",
+    "test_ball.py", "test_pipeline.py", "test_global_bound.py",
+    "test_crown_standard.py", "test_subblock.py", "test_wheel.py",
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if any(fnmatch.fnmatchcase(item.nodeid, p) for p in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
 
 
 def tiny_config(family: str = "standard", **overrides) -> ViTConfig:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner, Result
 from lipvit.certify.evaluate import certify_samples, report_record
 
 import lipvit
+from lipvit.cli import main
 from lipvit.commands._common import load_checkpoint, load_test_set
 from lipvit.commands.certify import shard_settings
 from lipvit.distributed import Ranks, load_shard, save_shard, shard_path, shard_slice
@@ -53,16 +55,22 @@ def ckpt(digits, tmp_path_factory):
 
 
 def _certify(ckpt: Path, out: Path, ranks: int | None,
-             args: list[str] = ARGS) -> subprocess.CompletedProcess:
-    launch = ([] if ranks is None else
-              ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(ranks)])
-    cmd = [sys.executable, *launch, "-m", "lipvit", "certify", "--ckpt", str(ckpt),
-           *args, "--json", str(out), "--csv", str(out.with_suffix(".csv"))]
+             args: list[str] = ARGS) -> subprocess.CompletedProcess | Result:
+    """``lipvit certify`` writing ``out`` and its CSV: on ``ranks`` processes
+    under torchrun, or (``None``) in this process, the reference."""
+    cmd = ["certify", "--ckpt", str(ckpt), *args, "--json", str(out),
+           "--csv", str(out.with_suffix(".csv"))]
+    if ranks is None:
+        result = CliRunner().invoke(main, cmd)
+        assert result.exit_code == 0, result.output[-3000:]
+        return result
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+              str(ranks)]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, *launch, "-m", "lipvit", *cmd], cwd=ROOT,
+                            env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -283,14 +283,14 @@ def test_commands_read_an_imported_model(hf_dir: Path, tmp_path: Path) -> None:
         "--dataset",
         "digits",
         "--n",
-        "4",
+        "2",
         "--eps",
         "0.01",
         "--json",
         out,
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["n"] == 4
+    assert json.loads(out.read_text())["n"] == 2
     # Query/key biases (transformers' default) are refused by the bounds.
     random_hf_vit(seed=11).save_pretrained(tmp_path / "biased")
     result = cli(

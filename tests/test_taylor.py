@@ -934,7 +934,7 @@ def test_taylor_certified_points_survive_pgdl2_and_apgd(ckpt, digits, monkeypatc
     from lipvit.checkpoint import load_checkpoint
 
     model = load_checkpoint(ckpt).model.double().eval()
-    x, y = digits.x_test[:24].double(), digits.y_test[:24]
+    x, y = digits.x_test[:12].double(), digits.y_test[:12]
     tb = taylor_bound(model, x, y)
     radii = tb.radius(tol=1e-3)
     assert (radii > 0).sum() >= 3, "the model should certify some points"
