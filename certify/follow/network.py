@@ -16,6 +16,11 @@ chain may be cut after any map instead (eq. 11.8): the margin's move from the
 cut on is at most the cut's radius times the margin's gradient there, plus
 the remainders after it; the cut after the last map is ``ball``'s bound. Each
 margin takes the least of these.
+
+Class attention's remainder is the smaller of its gradient-turn bound (eq.
+11.5) and its second-order bound (eq. 11.9–11.10); a CaiT's head MaxMin
+bounds each pair's move by the same first-order-plus-remainder along the
+pair's direction (eq. 11.11), not by ``ball``'s radius of the class token.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from ..ball.network import BallChain, ball_chain
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
 from .variation import (
+    capped_maxmin_remainder,
+    class_attention_remainder,
     class_attention_variation,
     maxmin_remainder,
     projection_moves,
@@ -118,11 +125,41 @@ class MarginCertificate:
                 self.stem_L.append(L)
             self.W1 = {id(m.fc1): spectral_norm(m.fc1.weight) * (1 + 1e-12)
                        for m in model.modules() if isinstance(m, GatedMLP)}
+            # The CaiT's head reads the class token: its pairs' moves (eq. 11.11).
+            self._pairs = (self._pair_directions()
+                           if isinstance(chain.maps[-1], ClassAttention) else None)
             self._soft0 = {}  # self-attention's softmax-path bound at the point
             for k, (attn, t) in enumerate(zip(chain.maps, self.inputs, strict=True)):
                 if isinstance(attn, GatedAttention):
                     zero = torch.zeros_like(t[:, 0, 0])
                     self._soft0[k] = self._self_ball(k, t, zero).soft
+
+    def _pair_directions(self) -> tuple[Tensor, Tensor]:
+        """A CaiT's head MaxMin's pair differences read off the class token, ``v_p =
+        W₁[p] − W₁[p + P]`` ``(P, H·d_v)``, and ``‖∇_X (v_p · c)‖`` ``(P, B)``
+        at class attention's clean input ``X`` (eq. 11.11)."""
+        W1 = self.model.head_hidden.weight  # (2P, H·d_v)
+        a, b = W1.chunk(2, dim=0)
+        v = a - b
+        X = self.inputs[-1].detach().requires_grad_(True)
+        with torch.enable_grad():
+            c = self.chain.maps[-1](X)  # (B, H·d_v)
+            (grad,) = torch.autograd.grad(c, X, grad_outputs=v[:, None].expand(
+                -1, *c.shape).contiguous(), is_grads_batched=True)
+        return v, grad.flatten(2).norm(dim=-1) * (1 + 1e-12)
+
+    def _pair_moves(self, delta: Tensor) -> Tensor:
+        """``b_p ≥ |Δ(v_p · c)|`` ``(P, B)`` on the ball of radius ``delta``
+        ``(B,)`` around class attention's input: its first-order move plus its
+        remainder (eq. 11.9–11.11)."""
+        attn, norms, X = self.chain.maps[-1], self.chain.norms[-1], self.inputs[-1]
+        v, grad_norm = self._pairs
+        ball = class_ball(X, delta, attn.a(), attn.value, norms, attn.pos_bias,
+                          attn.radius)
+        u = v[:, None].expand(-1, X.shape[0], -1)  # (P, B, H·d_v)
+        rest = class_attention_remainder(X, delta, u, attn.a(), attn.value, ball.P0,
+                                         ball.P_bar, ball.Delta, attn.radius)
+        return (delta * grad_norm + rest) * (1 + 1e-12)
 
     def _self_ball(self, k: int, t: Tensor, delta: Tensor):
         attn = self.chain.maps[k]
@@ -143,7 +180,10 @@ class MarginCertificate:
                                           ball.P0, ball.P_bar, ball.Delta,
                                           attn.radius)
             L_loc = sum(class_attention_paths(norms, ball.P_bar, ball.soft))  # (10.5)
-            return torch.minimum(V, 2 * g_norm * L_loc) * delta
+            second = class_attention_remainder(t, delta, site.g, attn.a(), attn.value,
+                                               ball.P0, ball.P_bar, ball.Delta,
+                                               attn.radius)
+            return torch.minimum(torch.minimum(V, 2 * g_norm * L_loc) * delta, second)
         ball = self._self_ball(k, t, delta)
         dJ = self_attention_variation(ball.P0, ball.P_bar, ball.P_low, ball.soft,
                                       self._soft0[k],
@@ -171,7 +211,12 @@ class MarginCertificate:
                 attn_k += 1
             elif module is self.model.head_hidden:
                 delta = eps * bc.L  # the features' radius, the head MaxMin's input's
-                rest.append(maxmin_remainder(site.z, site.g, delta, -1))
+                r = maxmin_remainder(site.z, site.g, delta, -1)
+                if self._pairs is not None:
+                    moves = self._pair_moves(eps * bc.L_in[-1])  # (P, B)
+                    r = torch.minimum(r, capped_maxmin_remainder(site.z, site.g,
+                                                                 moves.mT, -1))
+                rest.append(r)
                 cuts.append(None)  # after it: ``ball``'s bound, in :meth:`drops`
             else:  # a CaiT block's MLP, after the attention map just passed
                 delta = self.W1[id(module)] * eps * bc.L_mid[attn_k - 1]

@@ -90,6 +90,19 @@ def maxmin_remainder(z: Tensor, g: Tensor, delta: Tensor, dim: int) -> Tensor:
     return pair_remainder((ga - gb).flatten(2), gap.flatten(1), delta)
 
 
+def capped_maxmin_remainder(z: Tensor, g: Tensor, moves: Tensor, dim: int) -> Tensor:
+    """Eq. (11.11): MaxMin's remainder as in :func:`maxmin_remainder`, each
+    pair's difference ``a − b`` known to move by at most ``moves`` ``(B, P)``
+    on the ball: pair ``p`` adds at most ``|g_a − g_b| (b_p − |a − b|)_+``.
+    Returns ``(K, B)``."""
+    assert dim < 0, "dim counts from the end (z and g differ in leading axes)"
+    a, b = z.chunk(2, dim=dim)
+    ga, gb = g.chunk(2, dim=dim)
+    gap = ((a - b).abs() - GAP_SLACK * (a.abs() + b.abs())).clamp_min(0.0)
+    over = (moves - gap.flatten(1)).clamp_min(0.0)  # (B, P)
+    return ((ga - gb).flatten(2).abs() * over).sum(dim=-1) * (1 + 1e-12)
+
+
 def projection_moves(X: Tensor, delta: Tensor, radius: float) -> Tensor:
     """``(B, N)`` bool: the tokens of ``X`` ``(B, N, D)`` whose projection's
     Jacobian may differ anywhere on the ball of radius ``delta`` ``(B,)`` from
@@ -206,3 +219,87 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     project = ((G_norm**2 * cross.to(G.dtype)).sum(dim=-1).sqrt()
                + delta * (kappa * G_norm).amax(dim=-1))
     return values + soft + project
+
+
+def projection_remainder(X: Tensor, delta: Tensor, G_norm: Tensor,
+                         radius: float) -> Tensor:
+    """Eq. (11.10): ``Σ_j ‖G_j‖ ‖r_j‖`` over the ball, ``r_j = x̂′_j − x̂_j −
+    J_j (x′_j − x_j)`` the projection's remainder on token ``j`` and ``G_j``
+    ``(K, B, N)`` by its norm the gradient it is read with. A token moved by
+    ``γ_j`` (``Σ γ_j² ≤ δ²``) at distance ``d_j = |‖x_j‖ − R|`` from the
+    radius has ``‖r_j‖ ≤ (γ_j − d_j)_+ + κ_j γ_j² / 2``: where the segment
+    crosses the radius its Jacobian differs from ``J_j`` by at most 1, and
+    only after the token has moved by ``d_j``; outside, ``J`` turns at rate
+    ``κ_j = (R/‖x_j‖)(1/max(‖x_j‖ − δ, R) + 1/‖x_j‖)`` (eq. 11.6; 0 inside).
+    The first sum is :func:`pair_remainder`'s problem with ``t_j = γ_j/√2``;
+    returns ``(K, B)``."""
+    norm = X.norm(dim=-1)  # (B, N)
+    gap = ((norm - radius).abs() - GAP_SLACK * (norm + radius)).clamp_min(0.0)
+    cross = pair_remainder(G_norm, gap, delta / 2**0.5)
+    dl = delta[:, None]
+    outside = norm > radius * (1 + GAP_SLACK)
+    low = torch.maximum(norm - dl, torch.full_like(norm, radius))
+    kappa = radius / norm.clamp_min(radius) * (1 / low + 1 / norm.clamp_min(radius))
+    kappa = torch.where(outside, kappa, torch.zeros_like(kappa)) * (1 + 1e-12)
+    return cross + delta**2 / 2 * (G_norm * kappa).amax(dim=-1)
+
+
+def _schur(C: Tensor, p: Tensor) -> Tensor:
+    """``max_j λ_max(Σ_h p_hj c_h c_hᵀ)`` ≤ ``max_{j,h} Σ_h′ |c_h · c_h′| p_h′j``
+    (Schur's test on the heads' Gram matrix ``√(p_h p_h′) c_h · c_h′`` with
+    the vector ``√p_h``): ``C`` ``(..., H, H)`` the Gram ``c_h · c_h′``, ``p``
+    ``(..., H, N)`` nonnegative weights; returns ``(...)``."""
+    return (C.abs() @ p).flatten(-2).amax(dim=-1) * (1 + 1e-12)
+
+
+def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
+                              W_v: Tensor, P0: Tensor, P_bar: Tensor,
+                              Delta: Tensor, radius: float) -> Tensor:
+    """Eq. (11.9)–(11.10): ``|uᵀ r|`` for class attention's remainder ``r``
+    over the ball, from its second derivative along the segment. Per head,
+    with logits moving at ``λ_j = a_h · Δ_j`` and values ``f_hj = w_h · x̂_j``
+    at ``ν_j = w_h · Δ_j`` (``w_h = W_v[h] u_h``), the pooled value ``φ_h =
+    Σ_j P_h[j] f_hj`` has
+
+        φ_h″ = 2 Cov_P(ν, λ) + E_P[(f − f̄)(λ − λ̄)²]
+
+    at every point of the segment (the softmax an exponential family), so
+    ``|φ_h″| ≤ 2 √(Σ_j P̄_hj ν_j²) √(Σ_j P̄_hj λ_j²) + E_h Σ_j P̄_hj λ_j²``
+    with ``E_h ≥ max_j |f_hj − f̄_h|`` on the ball. Summed over the heads
+    (Cauchy–Schwarz), each sum is a quadratic form ``Σ_j Δ_jᵀ M_j Δ_j ≤ μ δ²``
+    (``μ`` by :func:`_schur`), and the remainder on the projected tokens is at
+    most ``δ² (√(μ_ν μ_λ) + μ_S / 2)``. ``P̄`` is :func:`~lipvit.certify.ball.
+    attention.class_ball`'s, lowered where Jensen's bound on the softmax's
+    denominator is smaller (eq. 11.5a, ``e^{‖a_h‖δ} ζ_h``). The projection's
+    own remainder read by the clean gradient ``G`` is
+    :func:`projection_remainder`.
+
+    ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``u`` ``(K, B, H·d_v)``, ``a``
+    ``(H, D)``, ``W_v`` ``(H, D, d_v)``, ``P0, P_bar`` ``(B, H, N)``,
+    ``Delta`` ``(B, H)``; returns ``(K, B)``."""
+    K, B = u.shape[:2]
+    H, _, d_v = W_v.shape
+    x_hat = layer_project(X, radius)  # (B, N, D)
+    w = torch.einsum("kbhv,hDv->kbhD", u.reshape(K, B, H, d_v), W_v)  # (K, B, H, D)
+    f = torch.einsum("bnD,kbhD->kbhn", x_hat, w)  # (K, B, H, N)
+    phi = (P0 * f).sum(dim=-1, keepdim=True)  # (K, B, H, 1)
+    w_norm = w.norm(dim=-1)  # (K, B, H)
+    a_norm = a.norm(dim=-1)  # (H,)
+    dl = delta[:, None, None]  # (B, 1, 1)
+    zeta = (a_norm[:, None] * dl * (1 + P0.norm(dim=-1, keepdim=True))).exp()
+    P_bar = torch.minimum(P_bar, (P0 * zeta).clamp(max=1.0))  # (B, H, N)
+    eta = torch.maximum(P_bar - P0, P0 * -torch.expm1(-2 * Delta)[..., None])
+    P_bar2 = torch.minimum(P_bar.norm(dim=-1),
+                           P_bar.amax(dim=-1).sqrt()).clamp(max=1.0)  # (B, H)
+    d_phi = (w_norm * delta[:, None] * P_bar2
+             + (eta * (f - phi).abs()).sum(dim=-1))  # (K, B, H) ≥ |f̄ − φ_h|
+    E = torch.minimum((f - phi).abs().amax(dim=-1) + w_norm * delta[:, None] + d_phi,
+                      2 * radius * w_norm)  # (K, B, H)
+    C_a = a @ a.T  # (H, H)
+    mu_lam = _schur(C_a, P_bar)  # (B,)
+    mu_nu = _schur(w @ w.mT, P_bar)  # (K, B)
+    mu_S = _schur(C_a, E[..., None] * P_bar)  # (K, B)
+    soft = delta**2 * ((mu_nu * mu_lam).sqrt() + mu_S / 2) * (1 + 1e-12)
+    G = torch.einsum("bhn,kbhD->kbnD", P0, w) + torch.einsum(
+        "bhn,kbhn,hD->kbnD", P0, f - phi, a)  # (K, B, N, D): ∂(uᵀc)/∂x̂_j
+    return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)

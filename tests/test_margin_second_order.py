@@ -1,0 +1,292 @@
+"""``margin``'s second-order bounds (docs/math.md eq. 11.9–11.11): class
+attention's remainder from its second derivative along the segment
+(:func:`~lipvit.certify.follow.variation.class_attention_remainder`, with the
+projection's, :func:`~lipvit.certify.follow.variation.projection_remainder`),
+and the head MaxMin's remainder with each pair's move bounded
+(:func:`~lipvit.certify.follow.variation.capped_maxmin_remainder`, the moves
+from :meth:`~lipvit.certify.follow.network.MarginCertificate._pair_moves`).
+
+Float64, seeds 0, 1, 2. Each bound is checked against the largest remainder
+found by projected gradient ascent from random points of the ball (and a
+constructed witness), and each weakened copy below against a configuration
+built to make it bite, where the real bound holds and the copy falls below
+what the ascent finds, for every seed:
+
+- ``centre``: the attention taken at the centre of the ball only (``P̄ =
+  P⁰``). Bites where one token's attention grows several-fold on the ball:
+  uniform attention over 16 equal tokens, ``‖a‖ δ = 2``, the values read along
+  ``a`` (:func:`uniform`, ``‖a‖ = 10``, ``δ = 0.2``).
+- ``cov2``: the factor 2 of the covariance term dropped. Bites where that
+  term is all there is and nearly tight: the same uniform tokens with weak
+  logits (``‖a‖ = 1``, ``δ = 0.05``): the values move with the logits,
+  the third moment vanishes, ``P̄ ≈ P⁰``.
+- ``half``: the logits' move halved in the quadratic forms (``a aᵀ / 4``).
+  Bites on the same configuration.
+- ``third``: the third-moment term dropped. Bites where one token's value
+  stands apart from 15 others and its logit moves, the values read across
+  ``a`` (:func:`apart`, ``‖a‖ = 8``, ``δ = 0.02``): the covariance is zero
+  along the witness, the remainder is the third moment.
+- ``projection``: the projection's remainder dropped. Bites on four equal
+  tokens just inside the radius pushed across it
+  (:func:`tests.test_margin_weakened.class_radius`).
+- ``gap``: a capped MaxMin pair's gap counted twice. Bites where every pair
+  flips by its whole allowed move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import weakened_copy
+from lipvit.certify.ball.network import ball_chain
+from lipvit.certify.follow import variation
+from lipvit.certify.follow.network import margin_certificate
+from test_ball import cait_config
+from test_ball_weakened import orthogonal, unit
+from test_margin_weakened import (
+    Case,
+    ascended,
+    class_radius,
+    class_variation,
+    random_class_attention,
+)
+from torch import Tensor
+from torch.func import grad
+
+from lipvit.cait import LipschitzCaiT
+from lipvit.layers import max_min
+from lipvit.lipschitz_blocks import ClassAttention
+
+SEEDS = (0, 1, 2)
+F64 = torch.float64
+
+SOFT = "soft = delta**2 * ((mu_nu * mu_lam).sqrt() + mu_S / 2)"
+WEAKENINGS = {
+    "centre": ("class_attention_remainder", [(
+        "P_bar = torch.minimum(P_bar, (P0 * zeta).clamp(max=1.0))  # (B, H, N)",
+        "P_bar = P0")]),
+    "cov2": ("class_attention_remainder", [(
+        SOFT, "soft = delta**2 * ((mu_nu * mu_lam).sqrt() / 2 + mu_S / 2)")]),
+    "half": ("class_attention_remainder", [(
+        "C_a = a @ a.T  # (H, H)", "C_a = a @ a.T / 4  # (H, H)")]),
+    "third": ("class_attention_remainder", [(
+        SOFT, "soft = delta**2 * (mu_nu * mu_lam).sqrt()")]),
+    "projection": ("class_attention_remainder", [(
+        "return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)",
+        "return soft")]),
+    "gap": ("capped_maxmin_remainder", [(
+        "over = (moves - gap.flatten(1)).clamp_min(0.0)",
+        "over = (moves - 2 * gap.flatten(1)).clamp_min(0.0)")]),
+}
+
+
+def edited(name: str, identity: bool = False) -> Callable:
+    target, edits = WEAKENINGS[name]
+    return weakened_copy(variation, target,
+                         [(old, old if identity else new) for old, new in edits])
+
+
+# ---------------------------------------------------------------- class attention
+
+
+def remainder_brute(case: Case, seed: int) -> float:
+    """The largest ``|uᵀ(c(X′) − c(X)) − ∇_X(uᵀc)(X) · (X′ − X)|`` found on the
+    ball (one margin)."""
+    ca, X, (u,) = case.module, case.x0, case.u
+
+    def f(x: Tensor) -> Tensor:
+        return (ca(x[None])[0] * u).sum()
+
+    G0, f0 = grad(f)(X), f(X)
+    witnesses = () if case.witness is None else (case.witness,)
+    return ascended(lambda x: (f(x) - f0 - (G0 * (x - X)).sum()).abs(), X,
+                    case.delta, seed, witnesses, n=16, steps=30)
+
+
+def one_head(seed: int, a_norm: float, delta: float, X_of: Callable, along_a: bool
+             ) -> Case:
+    """One head (key width 1, value width 8, orthogonal ``W_v``) over 16
+    tokens, no positional bias, content vector ``a_norm â``; tokens
+    ``X_of(e)`` with ``e ⊥ â``; ``u`` reads the values along ``â``
+    (``along_a``) or ``e``; the witness moves token 0 by ``δ â``."""
+    gen = torch.Generator().manual_seed(seed)
+    a_hat = unit(gen)
+    e = unit(gen, a_hat)
+    W_v = orthogonal(8, gen)
+    ca = ClassAttention(cait_config(16, cls_heads=1, cls_key_dim=1,
+                                    cls_value_dim=8)).double()
+    with torch.no_grad():
+        ca.query.fill_(1.0)
+        ca.key.weight.copy_(a_norm * a_hat[None])
+        ca.value.copy_(W_v[None])
+        ca.pos_bias.zero_()
+    X = X_of(e)
+    witness = X.clone()
+    witness[0] += delta * a_hat
+    return Case(ca, X, delta, (W_v.T @ (a_hat if along_a else e))[None], witness)
+
+
+def uniform(seed: int, a_norm: float, delta: float) -> Case:
+    """16 equal tokens ``0.5 e`` (uniform attention, equal values), ``u``
+    along ``a``: the covariance term carries the remainder."""
+    return one_head(seed, a_norm, delta, lambda e: (0.5 * e).expand(16, 8).clone(),
+                    along_a=True)
+
+
+def apart(seed: int) -> Case:
+    """Token 0 at ``0.5 e``, the 15 others at ``−0.5 e`` (uniform attention),
+    ``u`` along ``e`` (``‖a‖ = 8``, ``δ = 0.02``): moving token 0 along ``â``
+    changes only its logit, and the pooled value's remainder is the third
+    moment."""
+    def tokens(e: Tensor) -> Tensor:
+        X = (-0.5 * e).expand(16, 8).clone()
+        X[0] = 0.5 * e
+        return X
+
+    return one_head(seed, 8.0, 0.02, tokens, along_a=False)
+
+
+CONFIGURATIONS = {
+    "centre": lambda seed: uniform(seed, 10.0, 0.2),
+    "cov2": lambda seed: uniform(seed, 1.0, 0.05),
+    "half": lambda seed: uniform(seed, 1.0, 0.05),
+    "third": apart,
+    "projection": class_radius,
+}
+
+
+def bound_of(fn: Callable, case: Case) -> float:
+    (value,) = class_variation(fn, case.module, case.x0, case.delta, case.u)
+    return value
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("scale", "delta", "spread"),
+                         [(0.3, 0.5, 0.6), (1.0, 0.05, 0.3), (3.0, 0.5, 0.6),
+                          (3.0, 0.1, 0.8)])
+def test_class_attention_remainder_bounds_the_ascended_remainder(
+        seed, scale, delta, spread):
+    """Random class attention (three heads) and tokens, some outside the
+    projection radius and some that may cross it; two margins."""
+    ca = random_class_attention(seed, scale)
+    gen = torch.Generator().manual_seed(seed + 100)
+    X = torch.randn(4, 8, generator=gen, dtype=F64) * spread
+    for u in torch.randn(2, 1, 12, generator=gen, dtype=F64):
+        case = Case(ca, X, delta, u, None)
+        found, bound = remainder_brute(case, seed), bound_of(
+            variation.class_attention_remainder, case)
+        assert found <= bound, (found, bound)
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_weakened_class_attention_remainder_falls_below_brute_force(name):
+    real_fn, weak_fn = variation.class_attention_remainder, edited(name)
+    seen = []
+    for seed in SEEDS:
+        case = CONFIGURATIONS[name](seed)
+        found = remainder_brute(case, seed)
+        real, weak = bound_of(real_fn, case), bound_of(weak_fn, case)
+        seen.append((seed, found, real, weak))
+        assert found <= real, (seed, found, real)
+    assert all(weak < found for _, found, _, weak in seen), seen
+
+
+@pytest.mark.parametrize("name", list(WEAKENINGS))
+def test_copies_with_nothing_replaced_are_the_real_bounds(name):
+    copy = edited(name, identity=True)
+    if name == "gap":
+        z, g, moves = capped_config(0)
+        assert torch.equal(copy(z, g, moves, -1),
+                           variation.capped_maxmin_remainder(z, g, moves, -1))
+        return
+    case = CONFIGURATIONS[name](0)
+    assert bound_of(copy, case) == bound_of(variation.class_attention_remainder, case)
+
+
+# ---------------------------------------------------------------- capped MaxMin
+
+
+def capped_config(seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Pre-activations ``z`` ``(1, 16)`` (8 pairs, gaps up to 0.5), gradients
+    ``g`` ``(3, 1, 16)`` whose pair differences ``g_a − g_b`` are positive for
+    the first margin, and pair moves ``(1, 8)`` between the gap and twice it."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(1, 16, generator=gen, dtype=F64)
+    gap = (z[:, :8] - z[:, 8:]).abs()
+    moves = gap * (1.2 + 0.6 * torch.rand(1, 8, generator=gen, dtype=F64))
+    g = torch.randn(3, 1, 16, generator=gen, dtype=F64)
+    g[0, :, :8] = g[0, :, 8:] + torch.rand(1, 8, generator=gen, dtype=F64) + 0.1
+    return z, g, moves
+
+
+def capped_points(z: Tensor, moves: Tensor, gen: torch.Generator, n: int) -> Tensor:
+    """``n`` random points ``(n, 1, 16)`` whose pair differences move by at
+    most ``moves`` (the pairs' sums move freely), and the point that flips
+    every pair by its whole move."""
+    s = torch.rand(n, 1, 8, generator=gen, dtype=F64) * 2 - 1  # difference's move
+    shift = torch.randn(n, 1, 8, generator=gen, dtype=F64)
+    d = z[:, :8] - z[:, 8:]
+    flip = -torch.sign(d) * moves  # across, by the whole move
+    s = torch.cat([s * moves, flip[None]])
+    shift = torch.cat([shift, torch.zeros_like(shift[:1])])
+    return z + torch.cat([shift + s / 2, shift - s / 2], dim=-1)
+
+
+def capped_remainders(z: Tensor, g: Tensor, points: Tensor) -> Tensor:
+    """``|gᵀ r|`` ``(K, M)`` of MaxMin at ``points`` ``(M, 1, 16)``."""
+    zz = z.expand_as(points).clone()
+    _, linear = torch.func.jvp(max_min, (zz,), (points - zz,))
+    r = max_min(points) - max_min(zz) - linear  # (M, 1, 16)
+    return torch.einsum("kbi,mbi->km", g, r).abs()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_capped_maxmin_remainder_bounds_every_point_and_is_reached(seed):
+    z, g, moves = capped_config(seed)
+    points = capped_points(z, moves, torch.Generator().manual_seed(seed), 2000)
+    found = capped_remainders(z, g, points).amax(dim=1)  # (K,)
+    bound = variation.capped_maxmin_remainder(z, g, moves, -1)[:, 0]
+    assert torch.all(found <= bound * (1 + 1e-12)), (found, bound)
+    # The first margin's pairs all gain from flipping: the flip point reaches it.
+    assert float(found[0]) == pytest.approx(float(bound[0]), rel=1e-9)
+    weak = edited("gap")(z, g, moves, -1)[:, 0]
+    assert weak[0] < found[0]
+
+
+# ---------------------------------------------------------------- pair moves
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("scale", "eps"), [(3.0, 0.3), (10.0, 0.1)])
+def test_pair_moves_bound_the_class_tokens_pair_differences(seed, scale, eps):
+    """On a tiny CaiT whose class attention's queries are ``scale`` times
+    larger: every head-MaxMin pair difference ``v_p · c`` moves, over the ball
+    of class attention's input that ``ball`` gives, by no more than
+    :meth:`MarginCertificate._pair_moves`, and by more than its first-order
+    part ``δ ‖∇_X(v_p · c)‖`` somewhere (the remainder is needed)."""
+    torch.manual_seed(seed)
+    model = LipschitzCaiT(cait_config(8)).double().eval()
+    with torch.no_grad():
+        model.cls_attn.query.mul_(scale)
+    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    mc = margin_certificate(model, x, torch.zeros(2, dtype=torch.long))
+    e = torch.full((2,), eps, dtype=F64)
+    with torch.no_grad():
+        delta = e * ball_chain(mc.chain, mc.inputs, e).L_in[-1]
+        moves = mc._pair_moves(delta)  # (P, B)
+        v, grad_norm = mc._pairs
+        first = delta * grad_norm
+    ca, beyond = model.cls_attn, False
+    for b in range(2):
+        X = mc.inputs[-1][b]
+        c0 = ca(X[None])[0].detach()
+        for p in range(v.shape[0]):
+            def move(t: Tensor, p=p, c0=c0) -> Tensor:
+                return (v[p] * (ca(t[None])[0] - c0)).sum().abs()
+
+            found = ascended(move, X, float(delta[b]), seed, n=8, steps=20)
+            assert found <= float(moves[p, b]), (b, p, found, float(moves[p, b]))
+            beyond |= found > float(first[p, b])
+    assert beyond
