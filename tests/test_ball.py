@@ -307,7 +307,7 @@ def test_cli_trains_and_certifies_cait(tmp_path):
     cert = CliRunner().invoke(main, ["certify", "--ckpt", str(out), "--eps", "0.05",
                                      "--n", "20"])
     assert cert.exit_code == 0, cert.output
-    assert any(line.startswith("ball") for line in cert.output.splitlines())
+    assert any(line.startswith("margin") for line in cert.output.splitlines())
     info = CliRunner().invoke(main, ["info", "--ckpt", str(out)])
     assert info.exit_code == 0 and "without attention" in info.output
     for flag in ("--msvp", "--relu-stability"):

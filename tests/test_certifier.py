@@ -32,7 +32,7 @@ def test_proven_methods_match_certify_samples(trained_cait, digits, method):
 
 
 def test_default_method_and_refusals(trained_cait):
-    assert lipvit.Certifier(trained_cait).method == "ball"
+    assert lipvit.Certifier(trained_cait).method == "margin"
     with pytest.raises(ValueError, match="unknown method"):
         lipvit.Certifier(trained_cait, method="magic")
     with pytest.raises(UnsupportedModelError):

@@ -24,10 +24,10 @@ from lipvit.config import ViTConfig
 from tests.test_crown import (
     DT,
     TINY,
-    _pgd_min,
     assert_logit_bounds_hold,
     assert_survive_attacks,
     needs_lirpa,
+    pgd_margins,
     train_tiny,
 )
 
@@ -159,11 +159,7 @@ def test_standard_certified_points_survive_attacks(standard, monkeypatch):
     for eps in (0.002, 0.02):
         mlb = computed[eps] = bounds(model, x, y, eps, prepared=prepared,
                                      chunk_size=None)
-        for j in range(10):
-            def margin_j(z, j=j):
-                out = model(z)
-                return out.gather(1, y[:, None]).squeeze(1) - out[:, j]
-            assert torch.all(_pgd_min(margin_j, x, eps, steps=30) >= mlb[:, j] - TOL)
+        assert torch.all(pgd_margins(model, x, y, eps, steps=30) >= mlb - TOL)
         cert = crown.crown_certify(model, x, y, eps, prepared=prepared,
                                    chunk_size=None)
         if eps == 0.002:

@@ -270,7 +270,7 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     (``μ`` by :func:`_schur`), and the remainder on the projected tokens is at
     most ``δ² (√(μ_ν μ_λ) + μ_S / 2)``. ``P̄`` is :func:`~lipvit.certify.ball.
     attention.class_ball`'s, lowered where Jensen's bound on the softmax's
-    denominator is smaller (eq. 11.5a, ``e^{‖a_h‖δ} ζ_h``). The projection's
+    denominator is smaller, ``P_hj e^{‖a_h‖ δ ‖e_j + P_h‖}``. The projection's
     own remainder read by the clean gradient ``G`` is
     :func:`projection_remainder`.
 
@@ -286,7 +286,10 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     w_norm = w.norm(dim=-1)  # (K, B, H)
     a_norm = a.norm(dim=-1)  # (H,)
     dl = delta[:, None, None]  # (B, 1, 1)
-    zeta = (a_norm[:, None] * dl * (1 + P0.norm(dim=-1, keepdim=True))).exp()
+    # P_hj′ ≤ P_hj e^{‖a_h‖(γ_j + Σ_k P_hk γ_k)} and γ_j + Σ_k P_hk γ_k ≤
+    # ‖e_j + P_h‖ δ, ‖e_j + P_h‖² = 1 + 2 P_hj + ‖P_h‖².
+    reach = (1 + 2 * P0 + P0.square().sum(dim=-1, keepdim=True)).sqrt()  # (B, H, N)
+    zeta = (a_norm[:, None] * dl * reach).exp()
     P_bar = torch.minimum(P_bar, (P0 * zeta).clamp(max=1.0))  # (B, H, N)
     eta = torch.maximum(P_bar - P0, P0 * -torch.expm1(-2 * Delta)[..., None])
     P_bar2 = torch.minimum(P_bar.norm(dim=-1),

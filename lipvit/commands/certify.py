@@ -232,9 +232,9 @@ def certify(
 
     Without --method: the architecture's default (--method's help): `taylor`
     on lipvit's ViT where it can bound it (else `lofast`, with a one-line
-    note), `ball` on the hybrid ViT and CaiT. `margin` (those two) is never
-    weaker than `ball` and follows each margin through attention, several
-    times slower. When nothing is
+    note), `ball` on the hybrid ViT, `margin` on the CaiT (never weaker than
+    `ball`; it follows each margin through attention, about 6× slower). When
+    nothing is
     certified the last line names a stronger method, if one was not used,
     before suggesting a smaller eps. taylor's radius search (its costly part)
     runs only with --radius: a run with taylor or cascade-taylor computes radii
