@@ -9,6 +9,7 @@ PGD-ℓ2 on each wrong class's margin.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -304,10 +305,17 @@ def test_cli_trains_and_certifies_cait(tmp_path):
         "fmnist-cait", "--epochs", "1", "--no-progress", "--out", str(out)])
     assert run.exit_code == 0, run.output
     assert "content" in run.output and "without attention" in run.output
+    js, js2 = tmp_path / "cert.json", tmp_path / "radii.json"
     cert = CliRunner().invoke(main, ["certify", "--ckpt", str(out), "--eps", "0.05",
-                                     "--n", "20"])
+                                     "--n", "20", "--json", str(js)])
     assert cert.exit_code == 0, cert.output
     assert any(line.startswith("margin") for line in cert.output.splitlines())
+    # margin's radius search (its costly part) runs only with --radius.
+    assert all(s["radius"] is None for s in json.loads(js.read_text())["samples"])
+    cert = CliRunner().invoke(main, ["certify", "--ckpt", str(out), "--eps", "0.05",
+                                     "--n", "2", "--radius", "--json", str(js2)])
+    assert cert.exit_code == 0, cert.output
+    assert all(s["radius"] is not None for s in json.loads(js2.read_text())["samples"])
     info = CliRunner().invoke(main, ["info", "--ckpt", str(out)])
     assert info.exit_code == 0 and "without attention" in info.output
     for flag in ("--msvp", "--relu-stability"):

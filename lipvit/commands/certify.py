@@ -47,9 +47,12 @@ from lipvit.distributed import (
 from lipvit.train import cpu_threads
 
 TAYLOR_METHODS = frozenset({"taylor", "cascade-taylor"})
-"""The methods that run ``taylor``: its radius search is the costly part, so a run
-with one of them computes radii only with ``--radius`` (other runs always do:
-the bound methods' radii are nearly free)."""
+"""The methods that run ``taylor`` (checked for its memory before any work)."""
+SEARCHED_RADII = TAYLOR_METHODS | {"margin"}
+"""The methods whose radius search is the costly part (``taylor``'s; ``margin``'s
+bisection, about 8 certificates a point), so a run with one of them computes
+radii only with ``--radius`` (other runs always do: the other bound methods'
+radii are nearly free)."""
 
 
 def _methods_help() -> str:
@@ -236,9 +239,10 @@ def certify(
     `ball`; it follows each margin through attention, about 6× slower). When
     nothing is
     certified the last line names a stronger method, if one was not used,
-    before suggesting a smaller eps. taylor's radius search (its costly part)
-    runs only with --radius: a run with taylor or cascade-taylor computes radii
-    only then; other runs always compute their (cheap) radii for the JSON.
+    before suggesting a smaller eps. taylor's and margin's radius searches
+    (their costly part) run only with --radius: a run with taylor,
+    cascade-taylor or margin computes radii only then; other runs always
+    compute their (cheap) radii for the JSON.
 
     `lofast` is sound (exact ζ and ‖M_h(X)‖); `lofast-fast` uses power-iteration
     estimates and is labelled exact=false; `taylor` bounds every wrong-class
@@ -296,8 +300,8 @@ def certify(
             click.echo(f"note: taylor without its second-order models: they need "
                        f"{jets_need(model) / 2**30:.1f} GiB per sample (--max-memory)",
                        err=True)
-    # Only a named --radius pays for taylor's radius search.
-    radii = radius or not taylor
+    # Only a named --radius pays for taylor's or margin's radius search.
+    radii = radius or not SEARCHED_RADII & set(methods)
     stronger = (None if taylor or "smoothing" in methods or taylor_unsupported(model)
                 else "taylor")
     shard = shard_slice(len(data.y), batch_size, ranks)
