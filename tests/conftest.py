@@ -57,6 +57,12 @@ SLOW_TESTS = (
     "tests/test_symbols.py::test_symbols_match_dense_jacobians[[]0-[12]]",
     "tests/test_symbols.py::test_tail_bound_covers_every_vertex[[][12]]",
     "tests/test_taylor.py::test_cli_certify_taylor",
+    "tests/test_margin_second_order.py::test_class_attention_remainder_bounds_the_"
+    "ascended_remainder[[]*-[12]]",
+    "tests/test_margin_second_order.py::test_pair_moves_bound_the_class_tokens_pair_"
+    "differences[[]*-[12]]",
+    "tests/test_alpha_crown.py::test_certified_points_survive_pgd[[][12]-*]",
+    "tests/test_alpha_crown.py::test_margin_bounds_are_sound_and_at_least_crowns[[][12]-*]",
     "tests/test_certify.py::test_report_counts_and_exact_flags[[]lipschitz]",
     "tests/test_crown.py::test_one_bounded_model_reused_over_samples_and_eps",
     "tests/test_taylor.py::test_taylor_certified_points_survive_pgdl2_and_apgd",

@@ -137,15 +137,16 @@ def test_certified_points_survive_pgd(trained, eps):
     cert = crown.crown_certify(model, x, y_wrong, eps, method="alpha-CROWN",
                                chunk_size=None)
     assert not torch.any(cert & (pred != y_wrong))
-    # Stopping once every margin bound is positive decides as the full run does.
-    full = crown.crown_margin_bounds(model, x, y_wrong, eps, method="alpha-CROWN",
-                                     chunk_size=None)
-    others = torch.ones_like(full, dtype=torch.bool)
-    others[torch.arange(4), y_wrong] = False
-    assert torch.equal(cert, torch.where(others, full > 0, True).all(1)
-                       & (pred == y_wrong))
-    if eps == 0.01:  # not vacuous: every model certifies a point here
-        assert cert.any()
+    if eps == 0.01:
+        # Stopping once every margin bound is positive decides as the full run
+        # does (one ε: the stopping rule does not depend on it).
+        full = crown.crown_margin_bounds(model, x, y_wrong, eps, method="alpha-CROWN",
+                                         chunk_size=None)
+        others = torch.ones_like(full, dtype=torch.bool)
+        others[torch.arange(4), y_wrong] = False
+        assert torch.equal(cert, torch.where(others, full > 0, True).all(1)
+                           & (pred == y_wrong))
+        assert cert.any()  # not vacuous: every model certifies a point here
     if not cert.any():
         return
     assert_survive_attacks(model, x[cert], y_wrong[cert], eps, steps=40, restarts=1)
