@@ -61,8 +61,6 @@ SLOW_TESTS = (
     "ascended_remainder[[]*-[12]]",
     "tests/test_margin_second_order.py::test_pair_moves_bound_the_class_tokens_pair_"
     "differences[[]*-[12]]",
-    "tests/test_alpha_crown.py::test_certified_points_survive_pgd[[][12]-*]",
-    "tests/test_alpha_crown.py::test_margin_bounds_are_sound_and_at_least_crowns[[][12]-*]",
     "tests/test_batched.py::test_taylor_of_a_batch_is_each_samples_alone[[]standard-*]",
     "tests/test_batched.py::test_taylor_of_a_batch_is_each_samples_alone[[]*-3]",
     "tests/test_taylor.py::test_subblock_norms_are_exact[[]lipschitz-token-*]",
@@ -95,14 +93,6 @@ SLOW_TESTS = (
     "tests/test_subblock.py::test_structured_bound_never_lowers_the_radius[[]standard]",
     "tests/test_pipeline.py::test_jobs_rerun_in_parallel_processes_after_their_inputs",
     "tests/test_alpha_crown.py::test_margin_bounds_are_sound_and_at_least_crowns[[][12]-*]",
-    "tests/test_batched.py::test_taylor_of_a_batch_is_each_samples_alone[[]standard-*]",
-    "tests/test_batched.py::test_taylor_of_a_batch_is_each_samples_alone[[]*-3]",
-    "tests/test_taylor.py::test_subblock_norms_are_exact[[]lipschitz-token-*]",
-    "tests/test_taylor.py::test_token_budgets_bound_pgd[[]0-standard-True]",
-    "tests/test_taylor.py::test_margin_drop_bound_exceeds_pgd_on_every_class[[]0-standard-kw5]",
-    "tests/test_taylor.py::test_stream_functionals_bound_pgd[[]kw2-0]",
-    "tests/test_crown_standard.py::test_standard_family_runs_through_certify_samples*",
-    "tests/test_fashion_mnist.py::test_pipeline_trains_and_certifies_the_hybrid",
     "tests/test_alpha_crown.py::test_margin_bounds_are_sound_and_at_least_crowns[[]0-0.05]",
     "tests/test_alpha_crown.py::test_certified_points_survive_pgd[[][12]-*]",
     "tests/test_alpha_crown.py::test_crown_is_unchanged_after_alpha_crown_on_the_same_model"
