@@ -4,7 +4,7 @@ attention's remainder from its second derivative along the segment
 projection's, :func:`~lipvit.certify.follow.variation.projection_remainder`),
 and the head MaxMin's remainder with each pair's move bounded
 (:func:`~lipvit.certify.follow.variation.capped_maxmin_remainder`, the moves
-from :meth:`~lipvit.certify.follow.network.MarginCertificate._pair_moves`).
+from :meth:`~lipvit.certify.follow.network.MarginCertificate._class_term`).
 
 Float64, seeds 0, 1, 2. Each bound is checked against the largest remainder
 found by projected gradient ascent from random points of the ball (and a
@@ -77,8 +77,8 @@ WEAKENINGS = {
         "return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)",
         "return soft")]),
     "gap": ("capped_maxmin_remainder", [(
-        "over = (moves - gap.flatten(1)).clamp_min(0.0)",
-        "over = (moves - 2 * gap.flatten(1)).clamp_min(0.0)")]),
+        "over = (moves - gap).clamp_min(0.0)",
+        "over = (moves - 2 * gap).clamp_min(0.0)")]),
 }
 
 
@@ -264,7 +264,7 @@ def test_pair_moves_bound_the_class_tokens_pair_differences(seed, scale, eps):
     """On a tiny CaiT whose class attention's queries are ``scale`` times
     larger: every head-MaxMin pair difference ``v_p · c`` moves, over the ball
     of class attention's input that ``ball`` gives, by no more than
-    :meth:`MarginCertificate._pair_moves`, and by more than its first-order
+    :meth:`MarginCertificate._class_term`, and by more than its first-order
     part ``δ ‖∇_X(v_p · c)‖`` somewhere (the remainder is needed)."""
     torch.manual_seed(seed)
     model = LipschitzCaiT(cait_config(8)).double().eval()
@@ -273,9 +273,10 @@ def test_pair_moves_bound_the_class_tokens_pair_differences(seed, scale, eps):
     x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
     mc = margin_certificate(model, x, torch.zeros(2, dtype=torch.long))
     e = torch.full((2,), eps, dtype=F64)
+    site = next(s for s in mc.sites if isinstance(s.module, ClassAttention))
     with torch.no_grad():
         delta = e * ball_chain(mc.chain, mc.inputs, e).L_in[-1]
-        moves = mc._pair_moves(delta)  # (P, B)
+        _, moves = mc._class_term(site, delta)  # (P, B)
         v, grad_norm = mc._pairs
         first = delta * grad_norm
     ca, beyond = model.cls_attn, False

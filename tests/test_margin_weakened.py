@@ -81,8 +81,8 @@ WEAKENINGS = {
          "eta = torch.zeros_like(P0)"),
         ("alpha = (ad * P2).exp() * psi * P0", "alpha = torch.zeros_like(P0)")]),
     "c": ("class_attention_variation", [
-        ("K, B = u.shape[:2]",
-         "K, B = u.shape[:2]\n    Delta = Delta / 2\n"
+        ("w, f, phi = _read_along(X, u, W_v, P0, radius)",
+         "w, f, phi = _read_along(X, u, W_v, P0, radius)\n    Delta = Delta / 2\n"
          "    P_bar = (P0 * (2 * Delta)[..., None].exp()).clamp(max=1.0)"),
         ("ad = a_norm * dl  # (B, H, 1)", "ad = a_norm * dl / 2  # (B, H, 1)")]),
     "e": ("class_attention_variation", [

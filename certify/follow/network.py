@@ -148,42 +148,45 @@ class MarginCertificate:
                 -1, *c.shape).contiguous(), is_grads_batched=True)
         return v, grad.flatten(2).norm(dim=-1) * (1 + 1e-12)
 
-    def _pair_moves(self, delta: Tensor) -> Tensor:
-        """``b_p ≥ |Δ(v_p · c)|`` ``(P, B)`` on the ball of radius ``delta``
-        ``(B,)`` around class attention's input: its first-order move plus its
-        remainder (eq. 11.9–11.11)."""
-        attn, norms, X = self.chain.maps[-1], self.chain.norms[-1], self.inputs[-1]
-        v, grad_norm = self._pairs
-        ball = class_ball(X, delta, attn.a(), attn.value, norms, attn.pos_bias,
-                          attn.radius)
-        u = v[:, None].expand(-1, X.shape[0], -1)  # (P, B, H·d_v)
-        rest = class_attention_remainder(X, delta, u, attn.a(), attn.value, ball.P0,
-                                         ball.P_bar, ball.Delta, attn.radius)
-        return (delta * grad_norm + rest) * (1 + 1e-12)
-
     def _self_ball(self, k: int, t: Tensor, delta: Tensor):
         attn = self.chain.maps[k]
         W_q, W_k, W_v, _ = attn.weights()
         return self_ball(t, delta, W_q, W_k, W_v, self.chain.norms[k], attn.pos_bias,
                          attn.radius)
 
-    def _attention_term(self, k: int, site: Site, delta: Tensor) -> Tensor:
-        """``|g_kᵀ r_k| ≤ V_k δ_k``, ``(K, B)``, of attention map ``k`` (eq. 11.2,
-        11.4, 11.5), each ``V_k`` capped by ``‖g_k‖`` times twice the map's
+    def _class_term(self, site: Site, delta: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Class attention's ``|uᵀ r|`` ``(K, B)`` on the ball of radius
+        ``delta`` ``(B,)`` around its input, the smaller of (11.5)·δ (capped by
+        ``‖u‖`` times twice the map's constant on the ball) and (11.9)–(11.10);
+        and, on a CaiT whose head reads the class token, each head pair's move
+        ``b_p ≥ |Δ(v_p · c)|`` ``(P, B)``: its first-order move plus (11.9)–(11.10)
+        along ``v_p`` (eq. 11.11; ``None`` otherwise). One ball, and one
+        second-order bound for the margins and the pairs together."""
+        attn, norms, t = self.chain.maps[-1], self.chain.norms[-1], site.z
+        K = site.g.shape[0]
+        g_norm = site.g.flatten(2).norm(dim=-1)  # (K, B)
+        ball = class_ball(t, delta, attn.a(), attn.value, norms, attn.pos_bias,
+                          attn.radius)
+        V = class_attention_variation(t, delta, site.g, attn.a(), attn.value,
+                                      ball.P0, ball.P_bar, ball.Delta, attn.radius)
+        L_loc = sum(class_attention_paths(norms, ball.P_bar, ball.soft))  # (10.5)
+        u = site.g
+        if self._pairs is not None:
+            v = self._pairs[0][:, None].expand(-1, t.shape[0], -1)  # (P, B, H·d_v)
+            u = torch.cat([u, v])
+        second = class_attention_remainder(t, delta, u, attn.a(), attn.value, ball.P0,
+                                           ball.P_bar, ball.Delta, attn.radius)
+        rest = torch.minimum(torch.minimum(V, 2 * g_norm * L_loc) * delta, second[:K])
+        if self._pairs is None:
+            return rest, None
+        return rest, (delta * self._pairs[1] + second[K:]) * (1 + 1e-12)
+
+    def _self_term(self, k: int, site: Site, delta: Tensor) -> Tensor:
+        """``|g_kᵀ r_k| ≤ V_k δ_k``, ``(K, B)``, of self-attention map ``k``
+        (eq. 11.2, 11.4), ``V_k`` capped by ``‖g_k‖`` times twice the map's
         constant on the ball (``‖J′ − J‖ ≤ ‖J′‖ + ‖J‖``)."""
         attn, norms, t = self.chain.maps[k], self.chain.norms[k], site.z
         g_norm = site.g.flatten(2).norm(dim=-1)  # (K, B)
-        if isinstance(attn, ClassAttention):
-            ball = class_ball(t, delta, attn.a(), attn.value, norms, attn.pos_bias,
-                              attn.radius)
-            V = class_attention_variation(t, delta, site.g, attn.a(), attn.value,
-                                          ball.P0, ball.P_bar, ball.Delta,
-                                          attn.radius)
-            L_loc = sum(class_attention_paths(norms, ball.P_bar, ball.soft))  # (10.5)
-            second = class_attention_remainder(t, delta, site.g, attn.a(), attn.value,
-                                               ball.P0, ball.P_bar, ball.Delta,
-                                               attn.radius)
-            return torch.minimum(torch.minimum(V, 2 * g_norm * L_loc) * delta, second)
         ball = self._self_ball(k, t, delta)
         dJ = self_attention_variation(ball.P0, ball.P_bar, ball.P_low, ball.soft,
                                       self._soft0[k],
@@ -197,7 +200,7 @@ class MarginCertificate:
         """Per site in forward order, its remainder bound ``(K, B)`` (eq.
         11.3–11.5; the sites' input radii from ``ball``'s chain ``bc``) and the
         cut after it (``δ_out ‖g_out‖``, eq. 11.8; ``None`` where not taken)."""
-        rest, cuts, attn_k = [], [], 0
+        rest, cuts, attn_k, moves = [], [], 0, None
         for site in self.sites:
             module, g_norm = site.module, site.g.flatten(2).norm(dim=-1)
             if any(module is conv for conv in self.model.stem):
@@ -206,14 +209,18 @@ class MarginCertificate:
                 rest.append(maxmin_remainder(site.z, site.g, delta, -3))
                 cuts.append(delta * g_norm)  # MaxMin keeps both norms
             elif isinstance(module, GatedAttention | ClassAttention):
-                rest.append(self._attention_term(attn_k, site, eps * bc.L_in[attn_k]))
+                delta = eps * bc.L_in[attn_k]
+                if isinstance(module, ClassAttention):  # the chain's last map
+                    r, moves = self._class_term(site, delta)
+                else:
+                    r = self._self_term(attn_k, site, delta)
+                rest.append(r)
                 cuts.append(eps * bc.L_mid[attn_k] * g_norm)
                 attn_k += 1
             elif module is self.model.head_hidden:
                 delta = eps * bc.L  # the features' radius, the head MaxMin's input's
                 r = maxmin_remainder(site.z, site.g, delta, -1)
-                if self._pairs is not None:
-                    moves = self._pair_moves(eps * bc.L_in[-1])  # (P, B)
+                if moves is not None:  # the class token's pairs (eq. 11.11)
                     r = torch.minimum(r, capped_maxmin_remainder(site.z, site.g,
                                                                  moves.mT, -1))
                 rest.append(r)

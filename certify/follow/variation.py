@@ -83,11 +83,18 @@ def maxmin_remainder(z: Tensor, g: Tensor, delta: Tensor, dim: int) -> Tensor:
     then of size ``|g₁ − g₂| (|Δ(a − b)| − |a − b|)``, with ``|Δ(a − b)| ≤
     √2 t_p``, ``t_p`` the pair's move and ``Σ_p t_p² ≤ δ²`` (the pairs are
     disjoint coordinates): :func:`pair_remainder`."""
+    return pair_remainder(*_pairs(z, g, dim), delta)
+
+
+def _pairs(z: Tensor, g: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """MaxMin's pairs along ``dim`` (negative): ``g_a − g_b`` ``(K, B, P)`` and
+    the gaps ``|a − b|`` ``(B, P)``, lowered by their float error (towards a
+    flip, so that no pair that can flip is missed)."""
     assert dim < 0, "dim counts from the end (z and g differ in leading axes)"
     a, b = z.chunk(2, dim=dim)
     ga, gb = g.chunk(2, dim=dim)
     gap = ((a - b).abs() - GAP_SLACK * (a.abs() + b.abs())).clamp_min(0.0)
-    return pair_remainder((ga - gb).flatten(2), gap.flatten(1), delta)
+    return (ga - gb).flatten(2), gap.flatten(1)
 
 
 def capped_maxmin_remainder(z: Tensor, g: Tensor, moves: Tensor, dim: int) -> Tensor:
@@ -95,12 +102,9 @@ def capped_maxmin_remainder(z: Tensor, g: Tensor, moves: Tensor, dim: int) -> Te
     pair's difference ``a − b`` known to move by at most ``moves`` ``(B, P)``
     on the ball: pair ``p`` adds at most ``|g_a − g_b| (b_p − |a − b|)_+``.
     Returns ``(K, B)``."""
-    assert dim < 0, "dim counts from the end (z and g differ in leading axes)"
-    a, b = z.chunk(2, dim=dim)
-    ga, gb = g.chunk(2, dim=dim)
-    gap = ((a - b).abs() - GAP_SLACK * (a.abs() + b.abs())).clamp_min(0.0)
-    over = (moves - gap.flatten(1)).clamp_min(0.0)  # (B, P)
-    return ((ga - gb).flatten(2).abs() * over).sum(dim=-1) * (1 + 1e-12)
+    c, gap = _pairs(z, g, dim)
+    over = (moves - gap).clamp_min(0.0)  # (B, P)
+    return (c.abs() * over).sum(dim=-1) * (1 + 1e-12)
 
 
 def projection_moves(X: Tensor, delta: Tensor, radius: float) -> Tensor:
@@ -150,6 +154,28 @@ def self_attention_variation(P0: Tensor, P_bar: Tensor, P_low: Tensor,
     return out * value * paths.amax(dim=-1) + soft + soft0
 
 
+def _read_along(X: Tensor, u: Tensor, W_v: Tensor, P0: Tensor, radius: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Class attention read along ``u`` ``(K, B, H·d_v)``: ``w_h = W_v[h] u_h``
+    ``(K, B, H, D)``, the values ``f_hj = w_h · x̂_j`` ``(K, B, H, N)`` of the
+    projected tokens of ``X`` ``(B, N, D)`` and their pooled ``φ_h = Σ_j
+    P_h[j] f_hj`` ``(K, B, H, 1)``."""
+    K, B = u.shape[:2]
+    H, _, d_v = W_v.shape
+    x_hat = layer_project(X, radius)  # (B, N, D)
+    w = torch.einsum("kbhv,hDv->kbhD", u.reshape(K, B, H, d_v), W_v)
+    f = torch.einsum("bnD,kbhD->kbhn", x_hat, w)
+    return w, f, (P0 * f).sum(dim=-1, keepdim=True)
+
+
+def _token_gradient(P0: Tensor, w: Tensor, f: Tensor, phi: Tensor, a: Tensor
+                    ) -> Tensor:
+    """``G_j = ∂(uᵀc)/∂x̂_j = Σ_h P_h[j] (w_h + (f_hj − φ_h) a_h)`` ``(K, B, N,
+    D)`` at the clean point (:func:`_read_along`'s ``w, f, φ``)."""
+    return torch.einsum("bhn,kbhD->kbnD", P0, w) + torch.einsum(
+        "bhn,kbhn,hD->kbnD", P0, f - phi, a)
+
+
 def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
                               W_v: Tensor, P0: Tensor, P_bar: Tensor,
                               Delta: Tensor, radius: float) -> Tensor:
@@ -176,12 +202,7 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``a`` ``(H, D)``, ``W_v`` ``(H, D,
     d_v)``; ``P0, P_bar`` ``(B, H, N)`` and ``Delta`` ``(B, H)`` from
     :func:`lipvit.certify.ball.attention.class_ball`; returns ``(K, B)``."""
-    K, B = u.shape[:2]
-    H, _, d_v = W_v.shape
-    x_hat = layer_project(X, radius)  # (B, N, D)
-    w = torch.einsum("kbhv,hDv->kbhD", u.reshape(K, B, H, d_v), W_v)
-    f = torch.einsum("bnD,kbhD->kbhn", x_hat, w)  # (K, B, H, N)
-    phi = (P0 * f).sum(dim=-1, keepdim=True)  # (K, B, H, 1)
+    w, f, phi = _read_along(X, u, W_v, P0, radius)
     dev = (f - phi).abs()
     w_norm = w.norm(dim=-1)[..., None]  # (K, B, H, 1)
     a_norm = a.norm(dim=-1)[:, None]  # (H, 1)
@@ -212,8 +233,7 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     split = tokens(a_norm * (alpha * (dev + d_phi) + (eta + P0) * w_norm),
                    a_norm * (beta * (dev + d_phi) + P0 * d_phi))
     soft = torch.minimum(whole, split)
-    G = torch.einsum("bhn,kbhD->kbnD", P0, w) + torch.einsum(
-        "bhn,kbhn,hD->kbnD", P0, f - phi, a)  # (K, B, N, D)
+    G = _token_gradient(P0, w, f, phi, a)  # (K, B, N, D)
     G_norm = G.norm(dim=-1)  # (K, B, N)
     cross, kappa = projection_turn(X, delta, radius)
     project = ((G_norm**2 * cross.to(G.dtype)).sum(dim=-1).sqrt()
@@ -277,12 +297,7 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``u`` ``(K, B, H·d_v)``, ``a``
     ``(H, D)``, ``W_v`` ``(H, D, d_v)``, ``P0, P_bar`` ``(B, H, N)``,
     ``Delta`` ``(B, H)``; returns ``(K, B)``."""
-    K, B = u.shape[:2]
-    H, _, d_v = W_v.shape
-    x_hat = layer_project(X, radius)  # (B, N, D)
-    w = torch.einsum("kbhv,hDv->kbhD", u.reshape(K, B, H, d_v), W_v)  # (K, B, H, D)
-    f = torch.einsum("bnD,kbhD->kbhn", x_hat, w)  # (K, B, H, N)
-    phi = (P0 * f).sum(dim=-1, keepdim=True)  # (K, B, H, 1)
+    w, f, phi = _read_along(X, u, W_v, P0, radius)
     w_norm = w.norm(dim=-1)  # (K, B, H)
     a_norm = a.norm(dim=-1)  # (H,)
     dl = delta[:, None, None]  # (B, 1, 1)
@@ -303,6 +318,5 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     mu_nu = _schur(w @ w.mT, P_bar)  # (K, B)
     mu_S = _schur(C_a, E[..., None] * P_bar)  # (K, B)
     soft = delta**2 * ((mu_nu * mu_lam).sqrt() + mu_S / 2) * (1 + 1e-12)
-    G = torch.einsum("bhn,kbhD->kbnD", P0, w) + torch.einsum(
-        "bhn,kbhn,hD->kbnD", P0, f - phi, a)  # (K, B, N, D): ∂(uᵀc)/∂x̂_j
+    G = _token_gradient(P0, w, f, phi, a)  # (K, B, N, D)
     return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)
