@@ -88,7 +88,7 @@ def check_methods(model, methods: Sequence[str]) -> None:
             raise UnsupportedModelError(
                 f"{other[0]} bounds lipvit's ViT architecture; this model "
                 f"(arch {arch!r}) is certified by its proven constants: use "
-                "--method ball or global"
+                "--method margin, ball or global"
             )
 
 
