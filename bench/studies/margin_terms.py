@@ -1,0 +1,141 @@
+"""Where ``margin`` spends its budget (docs/math.md §11): per site of the chain,
+its remainder bound, and class attention's remainder against what gradient
+ascent finds on the same ball.
+
+On the first ``--n`` Fashion-MNIST test points of a lipschitz hybrid ViT or
+CaiT, at each ``--eps``: the share certified by ``margin``, by ``ball`` and by
+the first-order ceiling ``m_j > ε ‖∇m_j‖`` (not a certificate); then, at each
+correctly classified point's tightest wrong class (the least slack under
+``margin``), the medians of the margin, its first-order term, ``ball``'s and
+``margin``'s drop bounds and every site's remainder bound; on a CaiT, the
+median of class attention's remainder bound along that margin and of the
+largest remainder projected gradient ascent finds inside the ball of its
+input (``--steps`` steps from ``--starts`` random points, both signs: a lower
+bound of the true one).
+
+Usage (JSON in OUT/margin_terms.json)::
+
+    python bench/studies/margin_terms.py --ckpt c2.pt --n 60 --eps 0.25 0.5 \\
+        --out runs/margin_terms
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from lipvit.certify.ball.network import ball_chain
+from lipvit.certify.follow.network import margin_certificate
+
+from lipvit.checkpoint import load_checkpoint
+from lipvit.data import load_dataset
+from lipvit.lipschitz_blocks import ClassAttention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
+from _out import add_out, write_json  # noqa: E402
+
+
+def ascended_remainder(ca, X: torch.Tensor, u: torch.Tensor, delta: torch.Tensor,
+                       steps: int, starts: int) -> torch.Tensor:
+    """Largest ``|uᵀ(c(X′) − c(X)) − ∇(uᵀc)(X)·(X′ − X)|`` found per point
+    ``(B,)`` over ``‖X′ − X‖_F ≤ δ``."""
+    def along(Z):
+        return (ca(Z) * u).sum(dim=-1)
+
+    X = X.detach()
+    with torch.enable_grad():
+        X0 = X.clone().requires_grad_(True)
+        f0 = along(X0)
+        (g0,) = torch.autograd.grad(f0.sum(), X0)
+    f0 = f0.detach()
+    radius = delta[:, None, None]
+    best = torch.zeros_like(delta)
+    gen = torch.Generator().manual_seed(0)
+    for sign in (1.0, -1.0):
+        for _ in range(starts):
+            D = torch.randn(X.shape, generator=gen, dtype=X.dtype)
+            D = D / D.flatten(1).norm(dim=1)[:, None, None] * radius
+            for _ in range(steps):
+                D = D.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    r = along(X + D) - f0 - (g0 * D).sum(dim=(1, 2))
+                    (g,) = torch.autograd.grad((sign * r).sum(), D)
+                best = torch.maximum(best, r.detach().abs())
+                D = D + 0.2 * radius * g / g.flatten(1).norm(dim=1).clamp_min(
+                    1e-30)[:, None, None]
+                D = D / (D.flatten(1).norm(dim=1)[:, None, None] / radius).clamp(min=1)
+    return best
+
+
+def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
+    mc = margin_certificate(model, x, y)
+    e = torch.full((len(y),), eps, dtype=x.dtype)
+    with torch.no_grad():
+        bc = ball_chain(mc.chain, mc.inputs, e)
+        rest, _ = mc._terms(e, bc)
+        own, ball = (t.mT for t in mc.drops(e))  # (K, B)
+    M = mc.margins.mT
+    first = eps * mc.gx_norm
+    slack = torch.where(torch.isfinite(M - own), M - own, torch.inf)
+    k, idx, ok = slack.argmin(dim=0), torch.arange(len(y)), mc.correct
+
+    def med(t: torch.Tensor) -> float:
+        return float(t[k, idx][ok].median())
+
+    def share(bound: torch.Tensor) -> float:
+        return float(((M > bound).all(dim=0) & ok).double().mean())
+
+    out = {"margin_certified": share(own), "ball_certified": share(ball),
+           "first_order_ceiling": share(first),
+           "tightest_class_medians": {"margin": med(M), "first_order": med(first),
+                                      "ball_drop": med(ball), "margin_drop": med(own)},
+           "site_remainders": [{"site": type(s.module).__name__, "median": med(r)}
+                               for s, r in zip(mc.sites, rest, strict=True)]}
+    site = next((s for s in mc.sites if isinstance(s.module, ClassAttention)), None)
+    if site is not None:
+        i = mc.sites.index(site)
+        delta = e * bc.L_in[-1]
+        found = ascended_remainder(site.module, site.z, site.g[k, idx], delta, steps,
+                                   starts)
+        bound = rest[i][k, idx]
+        out["class_attention"] = {
+            "input_radius": float(delta.median()), "bound": float(bound[ok].median()),
+            "ascent": float(found[ok].median()),
+            "bound_over_ascent": float((bound / found.clamp_min(1e-300))[ok].median())}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, type=Path)
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--n", type=int, default=60)
+    p.add_argument("--eps", type=float, nargs="+", default=[0.25, 0.5])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--starts", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    add_out(p, __file__)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_checkpoint(args.ckpt)
+    model = loaded.model.double().eval()
+    data = load_dataset(loaded.dataset or "fashion-mnist", args.data_dir)
+    x, y = data.x_test[:args.n].double(), data.y_test[:args.n]
+    results = {str(eps): measure(model, x, y, eps, args.steps, args.starts)
+               for eps in args.eps}
+    for eps, r in results.items():
+        print(f"eps {eps}: margin {r['margin_certified']:.3f}, ball "
+              f"{r['ball_certified']:.3f}, first-order ceiling "
+              f"{r['first_order_ceiling']:.3f}; {r['tightest_class_medians']}")
+        print("  " + ", ".join(f"{s['site']} {s['median']:.3f}"
+                               for s in r["site_remainders"]))
+        if "class_attention" in r:
+            print(f"  class attention: {r['class_attention']}")
+    write_json(args.out, __file__,
+               {"checkpoint": str(args.ckpt), "n": args.n, "results": results})
+
+
+if __name__ == "__main__":
+    main()
