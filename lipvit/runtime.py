@@ -51,13 +51,25 @@ def cpu_threads(
         return
     n = threads
     if n == 0:
-        with torch.device("meta"):
-            params = sum(p.numel() for p in build_model(model_cfg).parameters())
-        small = params < 1_000_000 and model_cfg.arch == "vit"
-        n = 1 if small else torch.get_num_threads()
+        n = 1 if _small_vit(model_cfg) else torch.get_num_threads()
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+SMALL_VIT = 1_000_000
+"""Parameters under which a ViT computes on one CPU thread (:func:`cpu_threads`)."""
+
+
+def _small_vit(cfg: ViTConfig) -> bool:
+    """Whether ``cfg`` is a ViT (``arch="vit"``) of under :data:`SMALL_VIT`
+    parameters. A larger one is told by its attention maps alone (``4D²`` per
+    block); a smaller one is built on the CPU and counted (milliseconds; the
+    global random state is kept)."""
+    if cfg.arch != "vit" or 4 * cfg.embed_dim**2 * cfg.depth >= SMALL_VIT:
+        return False
+    with torch.random.fork_rng(devices=[]):
+        return sum(p.numel() for p in build_model(cfg).parameters()) < SMALL_VIT

@@ -160,3 +160,24 @@ def test_threads_and_no_progress_bar_off_a_terminal(ckpt):
     assert result.exit_code == 0, result.output
     assert torch.get_num_threads() == before
     assert "samples [" not in result.output and "certify:" not in result.output
+
+
+def test_small_vits_compute_on_one_thread_and_keep_the_random_state():
+    """``cpu_threads`` with ``threads=0``: one thread for a ViT under a million
+    parameters, torch's count for a larger one (told without building it) and
+    for the hybrid; choosing draws no random numbers."""
+    import torch
+
+    from lipvit.config import ViTConfig
+    from lipvit.runtime import cpu_threads
+
+    cpu, before = torch.device("cpu"), torch.get_num_threads()
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    with cpu_threads(ViTConfig(), cpu):
+        assert torch.get_num_threads() == 1
+    assert torch.equal(torch.get_rng_state(), state)
+    for big in (ViTConfig(embed_dim=512, num_heads=8),
+                ViTConfig(family="lipschitz", arch="hybrid", patch_size=4)):
+        with cpu_threads(big, cpu):
+            assert torch.get_num_threads() == before

@@ -147,8 +147,9 @@ def test_missing_or_stale_outputs_rerun_only_their_steps(run_dir):
 
 def test_jobs_rerun_in_parallel_processes_after_their_inputs(run_dir):
     """``--jobs 2``: the same steps rerun as with one job, each as its own
-    ``python -m lipvit`` process logging to OUT/logs/, none before the steps
-    that write its inputs are done; the outputs are complete afterwards."""
+    process (forked from the preloaded server) logging to OUT/logs/, none
+    before the steps that write its inputs are done; the outputs are complete
+    afterwards."""
     out, _ = run_dir
     ckpt = out / "models" / "vanilla.pt"
     now = time.time_ns()

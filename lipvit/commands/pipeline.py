@@ -13,7 +13,8 @@ entry point (``Command.main(args, standalone_mode=False)``: no shell, no new
 interpreter), so the command the report prints for a step is exactly what ran
 (the pipeline only adds ``--resume``/``--force``). With ``--jobs K`` up to K
 steps whose inputs are ready run at once, each as that same command in its
-own ``python -m lipvit`` process with its share of the CPU threads, writing
+own process (forked from one that imported lipvit once) with its share of
+the CPU threads, writing
 its output to ``OUT/logs/<step>.log``: a 2-core machine trains two models at
 a time on one thread each, where one model on two threads gains little.
 Like make, a step whose

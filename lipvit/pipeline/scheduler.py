@@ -2,13 +2,18 @@
 (:func:`run_step`), or up to ``--jobs`` at once, each in its own process, the
 steps on the costliest chains first (:func:`run_parallel`); :func:`run_plan`
 runs a plan either way and records the timings in ``OUT/pipeline.json``.
+
+The parallel steps' processes are forked from a server that has imported
+lipvit (and torch) once (``multiprocessing``'s forkserver): each step is then
+``lipvit <command> <args>`` without an interpreter's ~2 s start, and the
+server is a clean process (no CUDA context, no thread pool) to fork from.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -107,7 +112,7 @@ class _Running:
     status: str
     start: float
     log: Path
-    process: subprocess.Popen
+    process: multiprocessing.process.BaseProcess
 
 
 def _log_tail(path: Path) -> str:
@@ -116,14 +121,38 @@ def _log_tail(path: Path) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
+def _step_process(command: str, args: list[str], log: str, threads: int) -> None:
+    """``lipvit command args`` in a forked worker on ``threads`` CPU threads, its
+    output (stdout and stderr) into ``log``; exits with the command's code."""
+    import torch
+
+    from lipvit.cli import main
+
+    handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(handle, 1)
+    os.dup2(handle, 2)
+    os.close(handle)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    main.main(args=[command, *args], prog_name="lipvit")  # exits
+
+
+def _workers() -> multiprocessing.context.BaseContext:
+    """Where the steps' processes come from: a forkserver that preloads the CLI."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["lipvit.cli"])
+    return ctx
+
+
 def _start(step: Step, args: list[str], number: int, status: str, log: Path,
            threads: int) -> _Running:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w", encoding="utf-8") as handle:  # the child keeps its own copy
-        process = subprocess.Popen(
-            [sys.executable, "-m", "lipvit", step.command.name, *args],
-            stdout=handle, stderr=subprocess.STDOUT, env=env)
+    process = _workers().Process(target=_step_process,
+                                 args=(step.command.name, list(args), str(log),
+                                       threads))
+    process.start()
     return _Running(step, number, status, time.perf_counter(), log, process)
 
 
@@ -169,11 +198,11 @@ def run_parallel(
                                       + ", ".join(s.key for s in pending))
                 continue
             time.sleep(0.2)
-            for job in [j for j in running if j.process.poll() is not None]:
+            for job in [j for j in running if j.process.exitcode is not None]:
                 running.remove(job)
-                if job.process.returncode:
+                if job.process.exitcode:
                     raise LipvitError(
-                        f"step {job.step.key} failed (exit {job.process.returncode})"
+                        f"step {job.step.key} failed (exit {job.process.exitcode})"
                         f": {_log_tail(job.log)}; its log: {job.log}; rerun the "
                         "same command to resume")
                 job.step.record_settings()
@@ -185,7 +214,7 @@ def run_parallel(
     finally:
         for job in running:  # interrupted or failed: stop the others
             job.process.terminate()
-            job.process.wait()
+            job.process.join()
 
 
 def _load_timings(path: Path) -> dict[str, Any]:
