@@ -1,56 +1,49 @@
-"""glibc's allocator setting for CROWN: re-execute the command once with it.
+"""glibc's allocator told to keep freed memory for reuse, in the ``lipvit`` program.
 
-auto_LiRPA allocates and frees many large temporaries per bound; glibc serves
-each with a fresh ``mmap`` and returns it with ``munmap``, so every one costs
-page faults again. ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0`` keeps them on the
-heap, where freed memory is reused (measured 1.4–1.8× less CPU time per CROWN
-sample; figures in docs/results/speed.md). glibc reads the variable only at process
-start, so :func:`reexec_with_crown_allocator` replaces the process by the same
-command with it set: once (a guard variable), on Linux with glibc, and only
-when the process is ``lipvit`` itself (``python -m lipvit`` or the ``lipvit``
-script), never a host such as a test runner.
+lipvit's bounds allocate and free many large temporaries (``taylor``'s jets
+and ``|J|``, auto_LiRPA's bounds). glibc serves each large one with a fresh
+``mmap`` and returns it with ``munmap``, and trims the heap's top past 128 KiB,
+so every allocation costs its page faults again: a quarter of ``lipvit
+certify --method taylor``'s wall time on the digits lipschitz ViT went to the
+kernel (docs/results/speed.md). :func:`keep_freed_memory` sets, through
+``mallopt``, no ``mmap`` (``M_MMAP_MAX = 0``: everything on the heap, where
+freed memory is reused) and trimming only past 1 GiB (``M_TRIM_THRESHOLD``).
+The command line calls it at start when the process is ``lipvit`` itself
+(``python -m lipvit``, the ``lipvit`` script, a pipeline's step), never in a
+host such as a test runner or a user's script. Only on glibc Linux; a
+setting the user chose in ``GLIBC_TUNABLES`` is kept.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
-TUNABLE = "glibc.malloc.mmap_max"
-GUARD = "LIPVIT_ALLOCATOR_REEXEC"
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+SETTINGS = ((M_MMAP_MAX, "glibc.malloc.mmap_max", 0),
+            (M_TRIM_THRESHOLD, "glibc.malloc.trim_threshold", 2**30))
 
 
-def crown_allocator_env(env: Mapping[str, str]) -> dict[str, str] | None:
-    """``env`` with ``glibc.malloc.mmap_max=0`` added to ``GLIBC_TUNABLES`` and
-    the guard set; None if nothing is to be done (already re-executed, or the
-    user chose a value for the tunable)."""
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if env.get(GUARD) or TUNABLE in tunables:
-        return None
-    setting = f"{TUNABLE}=0"
-    return {**env, "GLIBC_TUNABLES": f"{tunables}:{setting}" if tunables else setting,
-            GUARD: "1"}
+def keep_freed_memory() -> bool:
+    """Set :data:`SETTINGS` through ``mallopt`` for this process's allocations
+    from now on (each unless ``GLIBC_TUNABLES`` names it); False where the C
+    library is not glibc."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    chosen = os.environ.get("GLIBC_TUNABLES", "")
+    for param, tunable, value in SETTINGS:
+        if tunable not in chosen:
+            mallopt(param, value)
+    return True
 
 
-def _is_lipvit_program() -> bool:
+def is_lipvit_program() -> bool:
+    """Whether this process is ``python -m lipvit`` or the ``lipvit`` script."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return (getattr(spec, "name", None) == "lipvit.__main__"
             or Path(sys.argv[0]).name == "lipvit")
-
-
-def reexec_with_crown_allocator() -> None:
-    """Replace this process by itself with :func:`crown_allocator_env` (no
-    return), when it is the ``lipvit`` program on glibc Linux and not already
-    so configured; otherwise return at once."""
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-        return
-    env = crown_allocator_env(os.environ)
-    if env is None or not _is_lipvit_program():
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

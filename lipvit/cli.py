@@ -12,6 +12,7 @@ from __future__ import annotations
 import click
 
 from lipvit import __version__
+from lipvit.allocator import is_lipvit_program, keep_freed_memory
 from lipvit.errors import LipvitError
 
 USER_ERRORS = (ValueError, TypeError, LipvitError)
@@ -48,6 +49,8 @@ class _Group(click.Group):
 @click.version_option(__version__, prog_name="lipvit")
 def main() -> None:
     """Train Vision Transformers and certify their l2 robustness."""
+    if is_lipvit_program():
+        keep_freed_memory()
 
 
 def _register() -> None:

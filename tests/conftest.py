@@ -78,7 +78,6 @@ SLOW_TESTS = (
     "tests/test_taylor.py::test_attention_remainder_and_jacobian_bound_brute_force"
     "[[][34]-*]",
     "tests/test_taylor.py::test_token_budgets_bound_pgd[[]1-*]",
-    "tests/test_allocator.py::test_lipvit_reexecutes_once_for_crown[[]*-2]",
     "tests/test_examples.py::test_compare_attention",
     "tests/test_certify.py::test_radii_agree_with_per_eps_certificates*",
     "tests/test_certify.py::test_delta_out_bounds_pgd_on_whole_network*",

@@ -1,54 +1,94 @@
-"""The allocator re-execution's environment: added once, the user's choice kept."""
+"""glibc's allocator kept from returning freed memory: the page faults it saves,
+the user's own tunables kept, and only in the ``lipvit`` program."""
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
+import textwrap
 
 import pytest
+from click.testing import CliRunner
 
-from lipvit.allocator import GUARD, TUNABLE, crown_allocator_env
+import lipvit.allocator as allocator
+import lipvit.cli as cli
+
+GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+HEAP = textwrap.dedent("""
+    import ctypes, sys
+    import torch
+    from lipvit.allocator import keep_freed_memory
+
+    class Info(ctypes.Structure):  # glibc's struct mallinfo2
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+            "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    info, libc.malloc.restype = libc.mallinfo2, ctypes.c_void_p
+    info.restype = Info
+    if sys.argv[1] == "keep":
+        keep_freed_memory()
+    mapped = info().hblkhd
+    t = torch.empty(8 * 2**20, dtype=torch.float64).fill_(1)  # 64 MiB
+    mapped = info().hblkhd - mapped
+    del t
+    p = libc.malloc(2**26)  # at the heap's top: freed, it joins the top
+    ctypes.memset(p, 1, 2**26)
+    heap = info().arena
+    libc.free(ctypes.c_void_p(p))
+    print(mapped, heap - info().arena)
+""")
 
 
-def test_adds_the_tunable_and_the_guard():
-    env = crown_allocator_env({"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": f"{TUNABLE}=0", GUARD: "1"}
-    # Once only: the re-executed process finds the guard.
-    assert crown_allocator_env(env) is None
+@pytest.mark.skipif(not GLIBC or platform.libc_ver()[1] < "2.33",
+                    reason="glibc's mallinfo2 only")
+def test_freed_memory_stays_on_the_heap():
+    """A 64 MiB tensor: glibc's default maps it by itself (``mmap``, returned
+    at ``free``); kept, it lies on the heap. A 64 MiB block at the heap's top:
+    kept, it stays there once freed (not trimmed), for the next allocation to
+    reuse without page faults."""
+    size = 64 * 2**20
+
+    def heap(mode: str) -> tuple[int, int]:
+        done = subprocess.run([sys.executable, "-c", HEAP, mode], check=True,
+                              capture_output=True, text=True, timeout=120)
+        mapped, returned = done.stdout.split()
+        return int(mapped), int(returned)
+
+    assert heap("default")[0] >= size
+    assert heap("keep") == (0, 0)
 
 
-def test_keeps_other_tunables_and_the_users_value():
-    env = crown_allocator_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
-    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{TUNABLE}=0"
-    assert crown_allocator_env({"GLIBC_TUNABLES": f"{TUNABLE}=65536"}) is None
+def test_the_users_tunables_are_kept(monkeypatch):
+    calls = []
 
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
 
-def test_never_in_a_host_process(monkeypatch):
-    # Under pytest the main module is not lipvit's: nothing is re-executed.
-    import lipvit.allocator as allocator
-
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    monkeypatch.delenv(GUARD, raising=False)
-    monkeypatch.setattr(allocator.os, "execve", lambda *a: (_ for _ in ()).throw(
-        AssertionError("re-executed")))
-    allocator.reexec_with_crown_allocator()
+    assert allocator.keep_freed_memory()
+    assert calls == [(allocator.M_MMAP_MAX, 0), (allocator.M_TRIM_THRESHOLD, 2**30)]
+    calls.clear()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=65536")
+    allocator.keep_freed_memory()
+    assert calls == [(allocator.M_TRIM_THRESHOLD, 2**30)]
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
-                    reason="glibc only")
-@pytest.mark.parametrize("method, starts", [("crown", 2), ("cascade", 2),
-                                            ("lofast", 1)])
-def test_lipvit_reexecutes_once_for_crown(tmp_path, method, starts):
-    # -X importtime logs every import to stderr: a re-executed process imports
-    # lipvit's CLI a second time (and then fails on the missing checkpoint).
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", GUARD)}
-    done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "lipvit", "certify", "--ckpt",
-         str(tmp_path / "missing.pt"), "--eps", "0.1", "--method", method],
-        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
-        text=True, timeout=120)
-    assert done.returncode == 1 and "does not exist" in done.stderr
-    assert done.stderr.count("| lipvit.cli\n") == starts
+@pytest.mark.parametrize("program", [True, False])
+def test_only_the_lipvit_program_sets_it(monkeypatch, program):
+    """Under pytest the main module is not lipvit's: the CLI leaves the host's
+    allocator alone; as ``lipvit`` it sets it before any command."""
+    assert not allocator.is_lipvit_program()
+    calls = []
+    monkeypatch.setattr(cli, "is_lipvit_program", lambda: program)
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append(1))
+    result = CliRunner().invoke(cli.main, ["info", "--help"])
+    assert result.exit_code == 0, result.output
+    assert calls == ([1] if program else [])

@@ -11,7 +11,6 @@ import torch
 from click.core import ParameterSource
 from tqdm import tqdm
 
-from lipvit.allocator import reexec_with_crown_allocator
 from lipvit.certify.evaluate import (
     ALL_METHODS,
     QUANTITIES,
@@ -273,8 +272,6 @@ def certify(
                          "--alpha": alpha, "--seed": seed}
     _check_smoothing_options(methods, smoothing_options)
     C.check_results([json_path, csv_path], force)
-    if {"crown", "alpha-crown", "cascade", "cascade-taylor"} & set(methods):
-        reexec_with_crown_allocator()  # glibc.malloc.mmap_max=0, once
     dev = rank_device(C.resolve_device(device), ranks)
     loaded = C.load_checkpoint(ckpt, dev)
     smoothing = (smoothing_config(loaded, ckpt, sigma, n0, n_noise, alpha, seed,

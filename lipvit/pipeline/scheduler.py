@@ -126,8 +126,10 @@ def _step_process(command: str, args: list[str], log: str, threads: int) -> None
     output (stdout and stderr) into ``log``; exits with the command's code."""
     import torch
 
+    from lipvit.allocator import keep_freed_memory
     from lipvit.cli import main
 
+    keep_freed_memory()
     handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(handle, 1)
     os.dup2(handle, 2)
