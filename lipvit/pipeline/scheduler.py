@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import runpy
 import sys
 import time
 from collections.abc import Callable
@@ -122,14 +123,11 @@ def _log_tail(path: Path) -> str:
 
 
 def _step_process(command: str, args: list[str], log: str, threads: int) -> None:
-    """``lipvit command args`` in a forked worker on ``threads`` CPU threads, its
-    output (stdout and stderr) into ``log``; exits with the command's code."""
+    """``python -m lipvit command args`` in a forked worker on ``threads`` CPU
+    threads, its output (stdout and stderr) into ``log``; exits with the
+    command's code."""
     import torch
 
-    from lipvit.allocator import keep_freed_memory
-    from lipvit.cli import main
-
-    keep_freed_memory()
     handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(handle, 1)
     os.dup2(handle, 2)
@@ -138,7 +136,8 @@ def _step_process(command: str, args: list[str], log: str, threads: int) -> None
         stream.reconfigure(line_buffering=True)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    main.main(args=[command, *args], prog_name="lipvit")  # exits
+    sys.argv = ["lipvit", command, *args]
+    runpy.run_module("lipvit", run_name="__main__", alter_sys=True)  # exits
 
 
 def _workers() -> multiprocessing.context.BaseContext:
