@@ -26,6 +26,10 @@ what the ascent finds, for every seed:
   stands apart from 15 others and its logit moves, the values read across
   ``a`` (:func:`apart`, ``‖a‖ = 8``, ``δ = 0.02``): the covariance is zero
   along the witness, the remainder is the third moment.
+- ``near``: each piece of the segment bounded by the attention at its near
+  end instead of its far end (eq. 11.9c). Bites where one token's attention
+  grows several-fold and the envelope is close to what it reaches: 256 equal
+  tokens, ``‖a‖ δ = 2``, the values read along ``a`` (:func:`crowded`).
 - ``projection``: the projection's remainder dropped. Bites on four equal
   tokens just inside the radius pushed across it
   (:func:`tests.test_margin_weakened.class_radius`).
@@ -62,17 +66,17 @@ from lipvit.lipschitz_blocks import ClassAttention
 SEEDS = (0, 1, 2)
 F64 = torch.float64
 
-SOFT = "soft = delta**2 * ((mu_nu * mu_lam).sqrt() + mu_S / 2)"
+CURVATURE = "return 2 * (mu_nu * mu_lam).sqrt() + mu_S"
 WEAKENINGS = {
-    "centre": ("class_attention_remainder", [(
-        "P_bar = torch.minimum(P_bar, (P0 * zeta).clamp(max=1.0))  # (B, H, N)",
+    "centre": ("_curvature", [(
+        "P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)",
         "P_bar = P0")]),
-    "cov2": ("class_attention_remainder", [(
-        SOFT, "soft = delta**2 * ((mu_nu * mu_lam).sqrt() / 2 + mu_S / 2)")]),
-    "half": ("class_attention_remainder", [(
-        "C_a = a @ a.T  # (H, H)", "C_a = a @ a.T / 4  # (H, H)")]),
-    "third": ("class_attention_remainder", [(
-        SOFT, "soft = delta**2 * (mu_nu * mu_lam).sqrt()")]),
+    "cov2": ("_curvature", [(CURVATURE, "return (mu_nu * mu_lam).sqrt() + mu_S")]),
+    "half": ("_curvature", [("C_a = a @ a.T  # (H, H)",
+                             "C_a = a @ a.T / 4  # (H, H)")]),
+    "third": ("_curvature", [(CURVATURE, "return 2 * (mu_nu * mu_lam).sqrt()")]),
+    "near": ("class_attention_remainder", [(
+        "far * delta, radius)", "near * delta, radius)")]),
     "projection": ("class_attention_remainder", [(
         "return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)",
         "return soft")]),
@@ -84,8 +88,11 @@ WEAKENINGS = {
 
 def edited(name: str, identity: bool = False) -> Callable:
     target, edits = WEAKENINGS[name]
+    caller = ("capped_maxmin_remainder" if name == "gap"
+              else "class_attention_remainder")
     return weakened_copy(variation, target,
-                         [(old, old if identity else new) for old, new in edits])
+                         [(old, old if identity else new) for old, new in edits],
+                         caller)
 
 
 # ---------------------------------------------------------------- class attention
@@ -105,17 +112,18 @@ def remainder_brute(case: Case, seed: int) -> float:
                     case.delta, seed, witnesses, n=16, steps=30)
 
 
-def one_head(seed: int, a_norm: float, delta: float, X_of: Callable, along_a: bool
-             ) -> Case:
-    """One head (key width 1, value width 8, orthogonal ``W_v``) over 16
-    tokens, no positional bias, content vector ``a_norm â``; tokens
-    ``X_of(e)`` with ``e ⊥ â``; ``u`` reads the values along ``â``
+def one_head(seed: int, a_norm: float, delta: float, X_of: Callable, along_a: bool,
+             tokens: int = 16) -> Case:
+    """One head (key width 1, value width 8, orthogonal ``W_v``) over
+    ``tokens`` (a square) tokens, no positional bias, content vector ``a_norm
+    â``; tokens ``X_of(e)`` with ``e ⊥ â``; ``u`` reads the values along ``â``
     (``along_a``) or ``e``; the witness moves token 0 by ``δ â``."""
     gen = torch.Generator().manual_seed(seed)
     a_hat = unit(gen)
     e = unit(gen, a_hat)
     W_v = orthogonal(8, gen)
-    ca = ClassAttention(cait_config(16, cls_heads=1, cls_key_dim=1,
+    side = 4 * round(tokens**0.5)  # the image's: a 4 × 4 patch per token
+    ca = ClassAttention(cait_config(side, cls_heads=1, cls_key_dim=1,
                                     cls_value_dim=8)).double()
     with torch.no_grad():
         ca.query.fill_(1.0)
@@ -133,6 +141,14 @@ def uniform(seed: int, a_norm: float, delta: float) -> Case:
     along ``a``: the covariance term carries the remainder."""
     return one_head(seed, a_norm, delta, lambda e: (0.5 * e).expand(16, 8).clone(),
                     along_a=True)
+
+
+def crowded(seed: int) -> Case:
+    """256 equal tokens ``0.5 e``, ``u`` along ``a`` (``‖a‖ = 10``, ``δ = 0.2``):
+    one token's attention grows ``e^{‖a‖δ} ≈ 7``-fold over the segment, the
+    envelope of each piece close to what it reaches."""
+    return one_head(seed, 10.0, 0.2, lambda e: (0.5 * e).expand(256, 8).clone(),
+                    along_a=True, tokens=256)
 
 
 def apart(seed: int) -> Case:
@@ -153,6 +169,7 @@ CONFIGURATIONS = {
     "cov2": lambda seed: uniform(seed, 1.0, 0.05),
     "half": lambda seed: uniform(seed, 1.0, 0.05),
     "third": apart,
+    "near": crowded,
     "projection": class_radius,
 }
 
