@@ -6,8 +6,11 @@ and ``|J|``, auto_LiRPA's bounds). glibc serves each large one with a fresh
 so every allocation costs its page faults again: a quarter of ``lipvit
 certify --method taylor``'s wall time on the digits lipschitz ViT went to the
 kernel (docs/results/speed.md). :func:`keep_freed_memory` sets, through
-``mallopt``, no ``mmap`` (``M_MMAP_MAX = 0``: everything on the heap, where
-freed memory is reused) and trimming only past 1 GiB (``M_TRIM_THRESHOLD``).
+``mallopt``, ``mmap`` only for blocks over 32 MiB (``M_MMAP_THRESHOLD``, glibc's
+largest: the rest on the heap, where freed memory is reused) and trimming only
+past 1 GiB (``M_TRIM_THRESHOLD``). (No ``mmap`` at all, ``M_MMAP_MAX = 0``,
+measured slower: the blocks over 32 MiB then cost more CPU time than their
+page faults.)
 The command line calls it at start when the process is ``lipvit`` itself
 (``python -m lipvit``, the ``lipvit`` script, a pipeline's step), never in a
 host such as a test runner or a user's script. Only on glibc Linux; a
@@ -22,8 +25,8 @@ import platform
 import sys
 from pathlib import Path
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-SETTINGS = ((M_MMAP_MAX, "glibc.malloc.mmap_max", 0),
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+SETTINGS = ((M_MMAP_THRESHOLD, "glibc.malloc.mmap_threshold", 32 * 2**20),
             (M_TRIM_THRESHOLD, "glibc.malloc.trim_threshold", 2**30))
 
 

@@ -16,9 +16,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from lipvit.allocator import keep_freed_memory
 from lipvit.config import ViTConfig
 from lipvit.data import Dataset, load_dataset
 from lipvit.model import ViT
+
+keep_freed_memory()  # the tests compute as the lipvit program does (lipvit.allocator)
 
 torch.set_num_threads(1)
 

@@ -32,11 +32,11 @@ HEAP = textwrap.dedent("""
     if sys.argv[1] == "keep":
         keep_freed_memory()
     mapped = info().hblkhd
-    t = torch.empty(8 * 2**20, dtype=torch.float64).fill_(1)  # 64 MiB
+    t = torch.empty(2 * 2**20, dtype=torch.float64).fill_(1)  # 16 MiB
     mapped = info().hblkhd - mapped
     del t
-    p = libc.malloc(2**26)  # at the heap's top: freed, it joins the top
-    ctypes.memset(p, 1, 2**26)
+    p = libc.malloc(2**24)  # at the heap's top: freed, it joins the top
+    ctypes.memset(p, 1, 2**24)
     heap = info().arena
     libc.free(ctypes.c_void_p(p))
     print(mapped, heap - info().arena)
@@ -46,11 +46,11 @@ HEAP = textwrap.dedent("""
 @pytest.mark.skipif(not GLIBC or platform.libc_ver()[1] < "2.33",
                     reason="glibc's mallinfo2 only")
 def test_freed_memory_stays_on_the_heap():
-    """A 64 MiB tensor: glibc's default maps it by itself (``mmap``, returned
-    at ``free``); kept, it lies on the heap. A 64 MiB block at the heap's top:
+    """A 16 MiB tensor: glibc's default maps it by itself (``mmap``, returned
+    at ``free``); kept, it lies on the heap. A 16 MiB block at the heap's top:
     kept, it stays there once freed (not trimmed), for the next allocation to
     reuse without page faults."""
-    size = 64 * 2**20
+    size = 16 * 2**20
 
     def heap(mode: str) -> tuple[int, int]:
         done = subprocess.run([sys.executable, "-c", HEAP, mode], check=True,
@@ -74,9 +74,10 @@ def test_the_users_tunables_are_kept(monkeypatch):
     monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     assert allocator.keep_freed_memory()
-    assert calls == [(allocator.M_MMAP_MAX, 0), (allocator.M_TRIM_THRESHOLD, 2**30)]
+    assert calls == [(allocator.M_MMAP_THRESHOLD, 32 * 2**20),
+                     (allocator.M_TRIM_THRESHOLD, 2**30)]
     calls.clear()
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=65536")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
     allocator.keep_freed_memory()
     assert calls == [(allocator.M_TRIM_THRESHOLD, 2**30)]
 
