@@ -283,3 +283,29 @@ def test_report_writer_pieces(tmp_path):
     assert rep.render() == "# t\n\n![alt](f/p.png)\n\n```bash\nlipvit x\n```\n"
     empty = pipeline_report(tmp_path, {}, {"dataset": "digits"}).render()
     assert "## Training" not in empty  # sections without results are left out
+
+
+@pytest.mark.parametrize("methods", [None, ["spawn"]])
+def test_a_step_process_runs_lipvit_and_exits_with_its_code(tmp_path, monkeypatch,
+                                                            methods):
+    """A parallel step's process is ``python -m lipvit ARGS`` (forked from the
+    preloaded server, or a fresh interpreter where there is none): its output
+    in the log, its exit code the command's (1 for a user error)."""
+    import multiprocessing
+
+    from lipvit.pipeline import scheduler as P
+
+    if methods is not None:
+        monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: methods)
+    ctx = P._workers()
+    assert ctx.get_start_method() == (methods or ["forkserver"])[0]
+    for args, code, text in ((["info", "--help"], 0, "Usage: lipvit info"),
+                             (["info", "--ckpt", str(tmp_path / "missing.pt")], 1,
+                              "does not exist")):
+        log = tmp_path / "step.log"
+        process = ctx.Process(target=P._step_process,
+                              args=(args[0], args[1:], str(log), 1))
+        process.start()
+        process.join()
+        assert process.exitcode == code
+        assert text in log.read_text()

@@ -141,7 +141,10 @@ def _step_process(command: str, args: list[str], log: str, threads: int) -> None
 
 
 def _workers() -> multiprocessing.context.BaseContext:
-    """Where the steps' processes come from: a forkserver that preloads the CLI."""
+    """Where the steps' processes come from: a forkserver that preloads the CLI
+    (fresh interpreters where the platform has no forkserver)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["lipvit.cli"])
     return ctx
