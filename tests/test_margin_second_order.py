@@ -72,11 +72,11 @@ WEAKENINGS = {
         "P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)",
         "P_bar = P0")]),
     "cov2": ("_curvature", [(CURVATURE, "return (mu_nu * mu_lam).sqrt() + mu_S")]),
-    "half": ("_curvature", [("C_a = a @ a.T  # (H, H)",
-                             "C_a = a @ a.T / 4  # (H, H)")]),
+    "half": ("_curvature", [("C_a, C_w = a @ a.T, w @ w.mT",
+                             "C_a, C_w = a @ a.T / 4, w @ w.mT")]),
     "third": ("_curvature", [(CURVATURE, "return 2 * (mu_nu * mu_lam).sqrt()")]),
     "near": ("class_attention_remainder", [(
-        "far * delta, radius)", "near * delta, radius)")]),
+        "curvature(far * delta)", "curvature(near * delta)")]),
     "projection": ("class_attention_remainder", [(
         "return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)",
         "return soft")]),

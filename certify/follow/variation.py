@@ -30,6 +30,8 @@ heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -278,34 +280,40 @@ by its value at the piece's far end (eq. 11.9c)."""
 
 
 def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
-               P_ball: Tensor, Delta: Tensor, s: Tensor, radius: float) -> Tensor:
-    """``2 √(μ_ν μ_λ) + μ_S ≥ |F″(t)| / δ²`` ``(K, B)`` at every point of the
+               P_ball: Tensor, Delta: Tensor, radius: float
+               ) -> Callable[[Tensor], Tensor]:
+    """``s ↦ 2 √(μ_ν μ_λ) + μ_S ≥ |F″(t)| / δ²`` ``(K, B)`` at every point of the
     segment within ``s`` ``(B,)`` of its start (eq. 11.9b): ``P̄`` the smaller of
     ``P_ball`` (eq. 10.1 on the whole ball) and Jensen's ``P_hj e^{‖a_h‖ s ‖e_j
     + P_h‖}``, ``E_h ≥ max_j |f_hj − f̄_h|`` within ``s``. ``f, phi, w`` from
     :func:`_read_along`; ``P0, P_ball`` ``(B, H, N)``; ``Delta`` ``(B, H)``
-    eq. 10.1's on the whole ball."""
+    eq. 10.1's on the whole ball. What does not depend on ``s`` is computed
+    once."""
     w_norm = w.norm(dim=-1)  # (K, B, H)
     a_norm = a.norm(dim=-1)  # (H,)
-    sl = s[:, None, None]  # (B, 1, 1)
+    dev = (f - phi).abs()  # (K, B, H, N)
     # P_hj′ ≤ P_hj e^{‖a_h‖(γ_j + Σ_k P_hk γ_k)} and γ_j + Σ_k P_hk γ_k ≤
     # ‖e_j + P_h‖ s, ‖e_j + P_h‖² = 1 + 2 P_hj + ‖P_h‖².
     reach = (1 + 2 * P0 + P0.square().sum(dim=-1, keepdim=True)).sqrt()  # (B, H, N)
-    zeta = (a_norm[:, None] * sl * reach).exp()
-    P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)
-    Delta = torch.minimum(Delta, a_norm * s[:, None])  # ‖a_h‖ min(s, 2R)
-    eta = torch.maximum(P_bar - P0, P0 * -torch.expm1(-2 * Delta)[..., None])
-    P_bar2 = torch.minimum(P_bar.norm(dim=-1),
-                           P_bar.amax(dim=-1).sqrt()).clamp(max=1.0)  # (B, H)
-    d_phi = (w_norm * s[:, None] * P_bar2
-             + (eta * (f - phi).abs()).sum(dim=-1))  # (K, B, H) ≥ |f̄ − φ_h|
-    E = torch.minimum((f - phi).abs().amax(dim=-1) + w_norm * s[:, None] + d_phi,
-                      2 * radius * w_norm)  # (K, B, H)
-    C_a = a @ a.T  # (H, H)
-    mu_lam = _schur(C_a, P_bar)  # (B,)
-    mu_nu = _schur(w @ w.mT, P_bar)  # (K, B)
-    mu_S = _schur(C_a, E[..., None] * P_bar)  # (K, B)
-    return 2 * (mu_nu * mu_lam).sqrt() + mu_S
+    C_a, C_w = a @ a.T, w @ w.mT  # (H, H), (K, B, H, H)
+
+    def at(s: Tensor) -> Tensor:
+        zeta = (a_norm[:, None] * s[:, None, None] * reach).exp()
+        P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)
+        Delta_s = torch.minimum(Delta, a_norm * s[:, None])  # ‖a_h‖ min(s, 2R)
+        eta = torch.maximum(P_bar - P0, P0 * -torch.expm1(-2 * Delta_s)[..., None])
+        P_bar2 = torch.minimum(P_bar.norm(dim=-1),
+                               P_bar.amax(dim=-1).sqrt()).clamp(max=1.0)  # (B, H)
+        d_phi = (w_norm * s[:, None] * P_bar2
+                 + (eta * dev).sum(dim=-1))  # (K, B, H) ≥ |f̄ − φ_h|
+        E = torch.minimum(dev.amax(dim=-1) + w_norm * s[:, None] + d_phi,
+                          2 * radius * w_norm)  # (K, B, H)
+        mu_lam = _schur(C_a, P_bar)  # (B,)
+        mu_nu = _schur(C_w, P_bar)  # (K, B)
+        mu_S = _schur(C_a, E[..., None] * P_bar)  # (K, B)
+        return 2 * (mu_nu * mu_lam).sqrt() + mu_S
+
+    return at
 
 
 def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
@@ -336,12 +344,12 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     ``Delta`` ``(B, H)`` from :func:`~lipvit.certify.ball.attention.class_ball`
     on the whole ball; returns ``(K, B)``."""
     w, f, phi = _read_along(X, u, W_v, P0, radius)
+    curvature = _curvature(f, phi, w, a, P0, P_bar, Delta, radius)
     soft = 0.0
     for k in range(PIECES):
         near, far = k / PIECES, (k + 1) / PIECES
         weight = ((1 - near) ** 2 - (1 - far) ** 2) / 2  # ∫_near^far (1 − t) dt
-        soft = soft + weight * _curvature(f, phi, w, a, P0, P_bar, Delta,
-                                          far * delta, radius)
+        soft = soft + weight * curvature(far * delta)
     soft = delta**2 * soft * (1 + 1e-12)
     G = _token_gradient(P0, w, f, phi, a)  # (K, B, N, D)
     return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)
