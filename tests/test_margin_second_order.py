@@ -227,14 +227,17 @@ def test_copies_with_nothing_replaced_are_the_real_bounds(name):
 
 def capped_config(seed: int) -> tuple[Tensor, Tensor, Tensor]:
     """Pre-activations ``z`` ``(1, 16)`` (8 pairs, gaps up to 0.5), gradients
-    ``g`` ``(3, 1, 16)`` whose pair differences ``g_a − g_b`` are positive for
-    the first margin, and pair moves ``(1, 8)`` between the gap and twice it."""
+    at MaxMin's input ``g`` ``(3, 1, 16)`` whose pairs all lower the first
+    margin (``g_a − g_b`` of the other sign than ``a − b``), and pair moves
+    ``(1, 8)`` between the gap and twice it."""
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn(1, 16, generator=gen, dtype=F64)
     gap = (z[:, :8] - z[:, 8:]).abs()
     moves = gap * (1.2 + 0.6 * torch.rand(1, 8, generator=gen, dtype=F64))
     g = torch.randn(3, 1, 16, generator=gen, dtype=F64)
-    g[0, :, :8] = g[0, :, 8:] + torch.rand(1, 8, generator=gen, dtype=F64) + 0.1
+    lower = -torch.sign(z[:, :8] - z[:, 8:])
+    spread = torch.rand(1, 8, generator=gen, dtype=F64) + 0.1
+    g[0, :, :8] = g[0, :, 8:] + lower * spread
     return z, g, moves
 
 
@@ -252,11 +255,13 @@ def capped_points(z: Tensor, moves: Tensor, gen: torch.Generator, n: int) -> Ten
 
 
 def capped_remainders(z: Tensor, g: Tensor, points: Tensor) -> Tensor:
-    """``|gᵀ r|`` ``(K, M)`` of MaxMin at ``points`` ``(M, 1, 16)``."""
+    """What MaxMin's remainder takes off each margin, ``−g_outᵀ r`` ``(K, M)``,
+    at ``points`` ``(M, 1, 16)``; ``g`` at the input, ``g_out = J g``."""
     zz = z.expand_as(points).clone()
     _, linear = torch.func.jvp(max_min, (zz,), (points - zz,))
     r = max_min(points) - max_min(zz) - linear  # (M, 1, 16)
-    return torch.einsum("kbi,mbi->km", g, r).abs()
+    _, g_out = torch.func.jvp(max_min, (z.expand_as(g).clone(),), (g,))
+    return -torch.einsum("kbi,mbi->km", g_out, r)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -266,7 +271,7 @@ def test_capped_maxmin_remainder_bounds_every_point_and_is_reached(seed):
     found = capped_remainders(z, g, points).amax(dim=1)  # (K,)
     bound = variation.capped_maxmin_remainder(z, g, moves, -1)[:, 0]
     assert torch.all(found <= bound * (1 + 1e-12)), (found, bound)
-    # The first margin's pairs all gain from flipping: the flip point reaches it.
+    # The first margin's pairs all lose from flipping: the flip point reaches it.
     assert float(found[0]) == pytest.approx(float(bound[0]), rel=1e-9)
     weak = edited("gap")(z, g, moves, -1)[:, 0]
     assert weak[0] < found[0]

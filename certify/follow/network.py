@@ -9,7 +9,8 @@ F_j`` is exactly
     m(x′) − m(x) = ∇m(x) · (x′ − x) + Σ_k g_kᵀ r_k,                        (11.1)
 
 ``g_k`` the margin's exact gradient at map ``k``'s output (clean point), so
-``m`` drops by at most ``ε ‖∇m(x)‖ + Σ_k |g_kᵀ r_k|``. Each remainder is bounded
+``m`` drops by at most ``ε ‖∇m(x)‖`` plus a bound on each ``−g_kᵀ r_k`` (MaxMin's
+one-sided, eq. 11.3a; attention's on ``|g_kᵀ r_k|``). Each remainder is bounded
 on the ball that map's input can reach (:mod:`.variation`; the radii from
 ``ball``'s composition, :func:`lipvit.certify.ball.network.ball_chain`). The
 chain may be cut after any map instead (eq. 11.8): the margin's move from the
@@ -56,7 +57,8 @@ class Site(NamedTuple):
     """One map of the forward pass whose Jacobian can change over the ball:
     its clean input ``z`` (MaxMin: the pre-activation; attention: the tokens)
     and the margins' gradients ``g`` ``(K, B, ...)`` at its output (MaxMin: at
-    its input, which has the same pair differences and norm)."""
+    its input, where :func:`.variation.maxmin_remainder` reads which pairs can
+    lower the margin)."""
 
     module: nn.Module
     z: Tensor

@@ -74,36 +74,49 @@ def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
 
 
 def maxmin_remainder(z: Tensor, g: Tensor, delta: Tensor, dim: int) -> Tensor:
-    """Eq. (11.3): ``|gᵀ r|``, ``r = MaxMin(z′) − MaxMin(z) − J (z′ − z)`` the
-    remainder of MaxMin along ``dim`` at pre-activations ``z`` ``(B, ...)``
-    (``dim`` negative) for ``z′`` on the ball of radius ``delta`` ``(B,)``,
-    ``g`` ``(K, B, ...)`` the gradients at its input (or output: only ``|g_a −
-    g_b|`` enters, the same on both sides); returns ``(K, B)``.
+    """Eq. (11.3): a bound on ``−gᵀ r`` (what the remainder can take off the
+    margin), ``r = MaxMin(z′) − MaxMin(z) − J (z′ − z)`` the remainder of
+    MaxMin along ``dim`` at pre-activations ``z`` ``(B, ...)`` (``dim``
+    negative) for ``z′`` on the ball of radius ``delta`` ``(B,)``, ``g``
+    ``(K, B, ...)`` the margins' gradients at MaxMin's *input* (``J`` torch's:
+    the swap at a tie); returns ``(K, B)``.
 
     A pair ``(a, b)`` read as ``g₁ max + g₂ min = (g₁ + g₂)(a + b)/2 + (g₁ −
-    g₂) |a − b|/2`` leaves a remainder only where ``a − b`` changes sign, and
-    then of size ``|g₁ − g₂| (|Δ(a − b)| − |a − b|)``, with ``|Δ(a − b)| ≤
-    √2 t_p``, ``t_p`` the pair's move and ``Σ_p t_p² ≤ δ²`` (the pairs are
+    g₂) |a − b|/2`` (``g₁``, ``g₂`` at the outputs) leaves the remainder
+    ``(g₁ − g₂)/2 · (|d′| − |d| − s (d′ − d))``, ``d = a − b``, ``s`` the
+    slope ``J`` takes, a subgradient of ``|·|`` at ``d``: the bracket is never
+    negative, and positive only where ``d`` changes sign, at most ``2(|Δd| −
+    |d|)``. So only the pairs with ``g₁ < g₂`` can lower the margin (eq.
+    11.3a), each by at most ``|g₁ − g₂| (|Δd| − |d|)_+``, with ``|Δd| ≤ √2
+    t_p``, ``t_p`` the pair's move and ``Σ_p t_p² ≤ δ²`` (the pairs are
     disjoint coordinates): :func:`pair_remainder`."""
     return pair_remainder(*_pairs(z, g, dim), delta)
 
 
 def _pairs(z: Tensor, g: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-    """MaxMin's pairs along ``dim`` (negative): ``g_a − g_b`` ``(K, B, P)`` and
-    the gaps ``|a − b|`` ``(B, P)``, lowered by their float error (towards a
-    flip, so that no pair that can flip is missed)."""
+    """MaxMin's pairs along ``dim`` (negative): ``c = g_a − g_b`` ``(K, B, P)``
+    (gradients at the input), set to 0 for the pairs that cannot lower the
+    margin, and the gaps ``|a − b|`` ``(B, P)``, lowered by their float error
+    (towards a flip, so that no pair that can flip is missed).
+
+    At the input ``g_a − g_b = (g₁ − g₂) sign(a − b)`` (torch's swap at a
+    tie), so ``c (a − b) > 0`` is ``g₁ > g₂``: that pair's remainder only
+    raises the margin (eq. 11.3a). Pairs whose lowered gap is 0 keep their
+    ``c`` whatever its sign."""
     assert dim < 0, "dim counts from the end (z and g differ in leading axes)"
     a, b = z.chunk(2, dim=dim)
     ga, gb = g.chunk(2, dim=dim)
     gap = ((a - b).abs() - GAP_SLACK * (a.abs() + b.abs())).clamp_min(0.0)
-    return (ga - gb).flatten(2), gap.flatten(1)
+    c = ga - gb
+    raises = (c * (a - b) > 0) & (gap > 0)
+    return torch.where(raises, 0.0, c).flatten(2), gap.flatten(1)
 
 
 def capped_maxmin_remainder(z: Tensor, g: Tensor, moves: Tensor, dim: int) -> Tensor:
-    """Eq. (11.11): MaxMin's remainder as in :func:`maxmin_remainder`, each
-    pair's difference ``a − b`` known to move by at most ``moves`` ``(B, P)``
-    on the ball: pair ``p`` adds at most ``|g_a − g_b| (b_p − |a − b|)_+``.
-    Returns ``(K, B)``."""
+    """Eq. (11.11): MaxMin's bound as in :func:`maxmin_remainder` (on ``−gᵀ r``,
+    ``g`` at the input), each pair's difference ``a − b`` known to move by at
+    most ``moves`` ``(B, P)`` on the ball: a pair that can lower the margin
+    takes off at most ``|g_a − g_b| (b_p − |a − b|)_+``. Returns ``(K, B)``."""
     c, gap = _pairs(z, g, dim)
     over = (moves - gap).clamp_min(0.0)  # (B, P)
     return (c.abs() * over).sum(dim=-1) * (1 + 1e-12)
