@@ -70,6 +70,7 @@ from lipvit.analysis.attacks import (
     _predict,
     _torchattacks,
     perturbation_norm,
+    with_fixed_weights,
 )
 from lipvit.certify.certification import margin as certification_margin
 from torch import Tensor, nn
@@ -294,6 +295,7 @@ class _Closest:
         return wrong
 
 
+@with_fixed_weights
 def attack_radius(model: nn.Module, x: Tensor, y: Tensor,
                   settings: RadiusSettings | None = None,
                   progress: Callable[[int, int], None] | None = None,

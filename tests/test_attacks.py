@@ -206,3 +206,34 @@ def test_images_must_be_in_unit_box(trained):
     model, x, y = trained
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         A.robust_accuracy(model, x[:2] * 3, y[:2], ["pgd"], 0.1)
+
+
+def test_attacks_compute_a_parametrised_models_weights_once():
+    """An attack on a lipschitz CaiT (spectral and orthogonal parametrisations)
+    computes its weights once (``fixed_weights``), finds the same points as
+    with the weights recomputed at every forward pass (to rounding: without
+    autograd on the weights some kernels differ), and leaves the
+    parameters as it found them."""
+    from test_ball import cait_config
+    from torch.nn.utils import parametrize
+
+    from lipvit.cait import LipschitzCaiT
+
+    torch.manual_seed(0)
+    model = LipschitzCaiT(cait_config(8)).double().eval()
+    x = torch.rand(4, 1, 8, 8, dtype=torch.float64)
+    y = model(x).argmax(dim=1)
+    conv = model.stem[0].parametrizations.weight
+    calls = []
+    hook = conv.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        fixed = A.perturb(model, x, y, "pgd-l2", 0.5, "l2", steps=5, seed=1)
+        once = len(calls)
+        calls.clear()
+        plain = A.perturb.__wrapped__(model, x, y, "pgd-l2", 0.5, "l2", steps=5, seed=1)
+    finally:
+        hook.remove()
+    assert once == 1 and len(calls) >= 5  # one a step
+    assert torch.allclose(fixed, plain, rtol=0, atol=1e-12)  # the same to rounding
+    assert all(q.requires_grad for q in model.parameters())
+    assert not parametrize._cache_enabled
