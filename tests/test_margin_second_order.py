@@ -35,6 +35,11 @@ what the ascent finds, for every seed:
   (:func:`tests.test_margin_weakened.class_radius`).
 - ``gap``: a capped MaxMin pair's gap counted twice. Bites where every pair
   flips by its whole allowed move.
+- ``orthogonal`` (eq. 11.12): the pairs' gradients taken as orthogonal (the
+  Gram matrix's diagonal only). Bites where they are parallel: one move
+  flips every pair at once (:func:`coupled_config`).
+- ``rest``: the pairs' second-order remainders ignored. Bites where the
+  first-order moves fall short of the gaps and the remainders do not.
 """
 
 from __future__ import annotations
@@ -83,13 +88,18 @@ WEAKENINGS = {
     "gap": ("capped_maxmin_remainder", [(
         "over = (moves - gap).clamp_min(0.0)",
         "over = (moves - 2 * gap).clamp_min(0.0)")]),
+    "orthogonal": ("coupled_maxmin_remainder", [(
+        "M = root[..., :, None] * gram[None] * root[..., None, :]  # (K, B, P, P)",
+        "M = torch.diag_embed(alpha * g2)")]),
+    "rest": ("coupled_maxmin_remainder", [(
+        "e = gap - rest  # (B, P)", "e = gap  # (B, P)")]),
 }
+MAXMIN = ("gap", "orthogonal", "rest")
 
 
 def edited(name: str, identity: bool = False) -> Callable:
     target, edits = WEAKENINGS[name]
-    caller = ("capped_maxmin_remainder" if name == "gap"
-              else "class_attention_remainder")
+    caller = target if name in MAXMIN else "class_attention_remainder"
     return weakened_copy(variation, target,
                          [(old, old if identity else new) for old, new in edits],
                          caller)
@@ -218,6 +228,11 @@ def test_copies_with_nothing_replaced_are_the_real_bounds(name):
         assert torch.equal(copy(z, g, moves, -1),
                            variation.capped_maxmin_remainder(z, g, moves, -1))
         return
+    if name in MAXMIN:
+        case = coupled_config(name, 0)
+        args = case[:7]
+        assert torch.equal(copy(*args), variation.coupled_maxmin_remainder(*args))
+        return
     case = CONFIGURATIONS[name](0)
     assert bound_of(copy, case) == bound_of(variation.class_attention_remainder, case)
 
@@ -285,9 +300,10 @@ def test_capped_maxmin_remainder_bounds_every_point_and_is_reached(seed):
 def test_pair_moves_bound_the_class_tokens_pair_differences(seed, scale, eps):
     """On a tiny CaiT whose class attention's queries are ``scale`` times
     larger: every head-MaxMin pair difference ``v_p · c`` moves, over the ball
-    of class attention's input that ``ball`` gives, by no more than
-    :meth:`MarginCertificate._class_term`, and by more than its first-order
-    part ``δ ‖∇_X(v_p · c)‖`` somewhere (the remainder is needed)."""
+    of class attention's input that ``ball`` gives, by no more than its
+    first-order part ``δ ‖∇_X(v_p · c)‖`` plus the remainder of
+    :meth:`MarginCertificate._class_term`, and by more than the first-order
+    part somewhere (the remainder is needed)."""
     torch.manual_seed(seed)
     model = LipschitzCaiT(cait_config(8)).double().eval()
     with torch.no_grad():
@@ -298,9 +314,10 @@ def test_pair_moves_bound_the_class_tokens_pair_differences(seed, scale, eps):
     site = next(s for s in mc.sites if isinstance(s.module, ClassAttention))
     with torch.no_grad():
         delta = e * ball_chain(mc.chain, mc.inputs, e).L_in[-1]
-        _, moves = mc._class_term(site, delta)  # (P, B)
-        v, grad_norm = mc._pairs
+        _, pair_rest = mc._class_term(site, delta)  # (P, B)
+        v, grad_norm, _ = mc._pairs
         first = delta * grad_norm
+        moves = first + pair_rest
     ca, beyond = model.cls_attn, False
     for b in range(2):
         X = mc.inputs[-1][b]
@@ -313,3 +330,89 @@ def test_pair_moves_bound_the_class_tokens_pair_differences(seed, scale, eps):
             assert found <= float(moves[p, b]), (b, p, found, float(moves[p, b]))
             beyond |= found > float(first[p, b])
     assert beyond
+
+
+# ---------------------------------------------------------------- coupled MaxMin
+
+
+def _unit(t: Tensor) -> Tensor:
+    return t / t.norm(dim=-1, keepdim=True)
+
+
+def coupled_config(name: str, seed: int) -> tuple[Tensor, ...]:
+    """:func:`~lipvit.certify.follow.variation.coupled_maxmin_remainder`'s
+    arguments for 8 pairs moved by one ``ΔX`` of a 6-dimensional ball (``δ =
+    0.5``): ``Δd_p = ∇_p · ΔX + ρ_p``, ``|ρ_p| ≤ rest_p``; the first margin's
+    pairs all lower it.
+
+    ``generic``: random gradients, gaps and remainders up to 0.1.
+    ``orthogonal``: every ``∇_p`` along one direction ``n``, signed so that
+    ``ΔX = δ n`` flips every pair (norms in ``[0.5, 1.5]``, gaps 0.05).
+    ``rest``: short gradients (``δ‖∇_p‖ = 0.1``), gaps 0.15, remainders 0.2."""
+    gen = torch.Generator().manual_seed(seed)
+    P, n, delta = 8, 6, 0.5
+    mean = torch.randn(1, P, generator=gen, dtype=F64)
+    if name == "generic":
+        grads = torch.randn(P, n, generator=gen, dtype=F64)
+        gaps = 0.3 * torch.rand(1, P, generator=gen, dtype=F64)
+        rest = 0.1 * torch.rand(1, P, generator=gen, dtype=F64)
+    else:
+        n_dir = _unit(torch.randn(n, generator=gen, dtype=F64))
+        if name == "orthogonal":
+            norms = 0.5 + torch.rand(P, generator=gen, dtype=F64)
+            gaps = torch.full((1, P), 0.05, dtype=F64)
+            rest = torch.zeros(1, P, dtype=F64)
+        else:
+            grads = _unit(torch.randn(P, n, generator=gen, dtype=F64))
+            norms = torch.full((P,), 0.2, dtype=F64)
+            gaps, rest = torch.full((1, P), 0.15, dtype=F64), torch.full((1, P), 0.2,
+                                                                        dtype=F64)
+        grads = norms[:, None] * (n_dir[None] if name == "orthogonal" else grads)
+    sign = torch.where(torch.rand(1, P, generator=gen) < 0.5, -1.0, 1.0).to(F64)
+    if name == "orthogonal":  # d_p of the other sign than ∇_p · n: +δn flips it
+        sign = -torch.sign(grads @ n_dir)[None]
+    d = sign * gaps
+    z = torch.cat([mean + d / 2, mean - d / 2], dim=-1)  # (1, 2P)
+    g = torch.randn(3, 1, 2 * P, generator=gen, dtype=F64)
+    spread = torch.rand(1, P, generator=gen, dtype=F64) + 0.5
+    g[0, :, :P] = g[0, :, P:] - sign * spread  # g_a − g_b against a − b: lowers
+    gram = (grads @ grads.T)[None]
+    norm = grads.norm(dim=-1)[None] * (1 + 1e-12)
+    return z, g, gram, norm, rest, torch.tensor([delta], dtype=F64), -1, grads
+
+
+def coupled_brute(case: tuple[Tensor, ...], seed: int, n: int = 20000) -> Tensor:
+    """The largest loss ``(K,)`` found at ``n`` random moves of the ball's
+    sphere and at ``±δ`` times each gradient's direction, each pair moved by
+    ``∇_p · ΔX`` plus its remainder in the same direction."""
+    z, g, _, _, rest, delta, _, grads = case
+    gen = torch.Generator().manual_seed(seed)
+    moves = _unit(torch.randn(n, grads.shape[1], generator=gen, dtype=F64))
+    moves = torch.cat([moves, _unit(grads), -_unit(grads)]) * delta
+    first = moves @ grads.T  # (M, P)
+    dd = first + rest * torch.sign(first)
+    points = z + torch.cat([dd / 2, -dd / 2], dim=-1)  # (M, 2P)
+    return capped_remainders(z, g, points[:, None]).amax(dim=1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", ["generic", "orthogonal", "rest"])
+def test_coupled_maxmin_remainder_bounds_the_brute_force(seed, name):
+    case = coupled_config(name, seed)
+    found = coupled_brute(case, seed)
+    bound = variation.coupled_maxmin_remainder(*case[:7])[:, 0]
+    assert torch.all(found <= bound), (found, bound)
+    assert float(found[0]) > 0  # the first margin does lose
+
+
+@pytest.mark.parametrize("name", ["orthogonal", "rest"])
+def test_weakened_coupled_maxmin_remainder_falls_below_brute_force(name):
+    weak_fn, seen = edited(name), []
+    for seed in SEEDS:
+        case = coupled_config(name, seed)
+        found = float(coupled_brute(case, seed)[0])
+        real = float(variation.coupled_maxmin_remainder(*case[:7])[0, 0])
+        weak = float(weak_fn(*case[:7])[0, 0])
+        seen.append((seed, found, real, weak))
+        assert found <= real, (seed, found, real)
+    assert all(weak < found for _, found, _, weak in seen), seen

@@ -47,6 +47,7 @@ from .variation import (
     capped_maxmin_remainder,
     class_attention_remainder,
     class_attention_variation,
+    coupled_maxmin_remainder,
     maxmin_remainder,
     projection_moves,
     self_attention_variation,
@@ -136,10 +137,11 @@ class MarginCertificate:
                     zero = torch.zeros_like(t[:, 0, 0])
                     self._soft0[k] = self._self_ball(k, t, zero).soft
 
-    def _pair_directions(self) -> tuple[Tensor, Tensor]:
+    def _pair_directions(self) -> tuple[Tensor, Tensor, Tensor]:
         """A CaiT's head MaxMin's pair differences read off the class token, ``v_p =
-        W₁[p] − W₁[p + P]`` ``(P, H·d_v)``, and ``‖∇_X (v_p · c)‖`` ``(P, B)``
-        at class attention's clean input ``X`` (eq. 11.11)."""
+        W₁[p] − W₁[p + P]`` ``(P, H·d_v)``, ``‖∇_X (v_p · c)‖`` ``(P, B)`` at
+        class attention's clean input ``X`` (eq. 11.11) and their Gram matrix
+        ``∇_X (v_p · c) · ∇_X (v_q · c)`` ``(B, P, P)`` (eq. 11.12)."""
         W1 = self.model.head_hidden.weight  # (2P, H·d_v)
         a, b = W1.chunk(2, dim=0)
         v = a - b
@@ -148,7 +150,9 @@ class MarginCertificate:
             c = self.chain.maps[-1](X)  # (B, H·d_v)
             (grad,) = torch.autograd.grad(c, X, grad_outputs=v[:, None].expand(
                 -1, *c.shape).contiguous(), is_grads_batched=True)
-        return v, grad.flatten(2).norm(dim=-1) * (1 + 1e-12)
+        grad = grad.flatten(2)  # (P, B, N·D)
+        gram = torch.einsum("pbi,qbi->bpq", grad, grad)
+        return v, grad.norm(dim=-1) * (1 + 1e-12), gram
 
     def _self_ball(self, k: int, t: Tensor, delta: Tensor):
         attn = self.chain.maps[k]
@@ -160,10 +164,11 @@ class MarginCertificate:
         """Class attention's ``|uᵀ r|`` ``(K, B)`` on the ball of radius
         ``delta`` ``(B,)`` around its input, the smaller of (11.5)·δ (capped by
         ``‖u‖`` times twice the map's constant on the ball) and (11.9)–(11.10);
-        and, on a CaiT whose head reads the class token, each head pair's move
-        ``b_p ≥ |Δ(v_p · c)|`` ``(P, B)``: its first-order move plus (11.9)–(11.10)
-        along ``v_p`` (eq. 11.11; ``None`` otherwise). One ball, and one
-        second-order bound for the margins and the pairs together."""
+        and, on a CaiT whose head reads the class token, each head pair's
+        remainder along ``v_p`` ``(P, B)``, (11.9)–(11.10): what ``Δ(v_p · c)``
+        adds to its first-order part ``∇_X(v_p · c) · ΔX`` (eq. 11.11;
+        ``None`` otherwise). One ball, and one second-order bound for the
+        margins and the pairs together."""
         attn, norms, t = self.chain.maps[-1], self.chain.norms[-1], site.z
         K = site.g.shape[0]
         g_norm = site.g.flatten(2).norm(dim=-1)  # (K, B)
@@ -181,7 +186,7 @@ class MarginCertificate:
         rest = torch.minimum(torch.minimum(V, 2 * g_norm * L_loc) * delta, second[:K])
         if self._pairs is None:
             return rest, None
-        return rest, (delta * self._pairs[1] + second[K:]) * (1 + 1e-12)
+        return rest, second[K:] * (1 + 1e-12)
 
     def _self_term(self, k: int, site: Site, delta: Tensor) -> Tensor:
         """``|g_kᵀ r_k| ≤ V_k δ_k``, ``(K, B)``, of self-attention map ``k``
@@ -202,7 +207,7 @@ class MarginCertificate:
         """Per site in forward order, its remainder bound ``(K, B)`` (eq.
         11.3–11.5; the sites' input radii from ``ball``'s chain ``bc``) and the
         cut after it (``δ_out ‖g_out‖``, eq. 11.8; ``None`` where not taken)."""
-        rest, cuts, attn_k, moves = [], [], 0, None
+        rest, cuts, attn_k, pair_rest = [], [], 0, None
         for site in self.sites:
             module, g_norm = site.module, site.g.flatten(2).norm(dim=-1)
             if any(module is conv for conv in self.model.stem):
@@ -213,7 +218,8 @@ class MarginCertificate:
             elif isinstance(module, GatedAttention | ClassAttention):
                 delta = eps * bc.L_in[attn_k]
                 if isinstance(module, ClassAttention):  # the chain's last map
-                    r, moves = self._class_term(site, delta)
+                    r, pair_rest = self._class_term(site, delta)
+                    class_delta = delta
                 else:
                     r = self._self_term(attn_k, site, delta)
                 rest.append(r)
@@ -222,9 +228,14 @@ class MarginCertificate:
             elif module is self.model.head_hidden:
                 delta = eps * bc.L  # the features' radius, the head MaxMin's input's
                 r = maxmin_remainder(site.z, site.g, delta, -1)
-                if moves is not None:  # the class token's pairs (eq. 11.11)
+                if pair_rest is not None:  # the class token's pairs (eq. 11.11–12)
+                    _, grad_norm, gram = self._pairs
+                    moves = (class_delta * grad_norm + pair_rest) * (1 + 1e-12)
                     r = torch.minimum(r, capped_maxmin_remainder(site.z, site.g,
                                                                  moves.mT, -1))
+                    r = torch.minimum(r, coupled_maxmin_remainder(
+                        site.z, site.g, gram, grad_norm.mT, pair_rest.mT,
+                        class_delta, -1))
                 rest.append(r)
                 cuts.append(None)  # after it: ``ball``'s bound, in :meth:`drops`
             else:  # a CaiT block's MLP, after the attention map just passed

@@ -122,6 +122,59 @@ def capped_maxmin_remainder(z: Tensor, g: Tensor, moves: Tensor, dim: int) -> Te
     return (c.abs() * over).sum(dim=-1) * (1 + 1e-12)
 
 
+def coupled_maxmin_remainder(z: Tensor, g: Tensor, gram: Tensor, grad_norm: Tensor,
+                             rest: Tensor, delta: Tensor, dim: int) -> Tensor:
+    """Eq. (11.12): MaxMin's bound on ``−gᵀ r`` (``g`` at the input, as in
+    :func:`maxmin_remainder`) where each pair's difference moves as ``Δd_p =
+    ∇_p · ΔX + ρ_p``, ``|ρ_p| ≤ rest_p``, for one move ``‖ΔX‖ ≤ δ`` shared by
+    every pair: ``gram`` ``(B, P, P)`` the Gram matrix ``∇_p · ∇_q`` and
+    ``grad_norm`` ``(B, P)`` its diagonal's square roots (rounded up),
+    ``rest`` ``(B, P)``, ``delta`` ``(B,)``. Returns ``(K, B)``.
+
+    A pair that can lower the margin takes off at most ``φ_p(∇_p · ΔX)``,
+    ``φ_p(s) = |c_p| (|s| − e_p)_+`` with ``e_p = |d_p| − rest_p``, and for
+    every ``α_p > 0``, ``φ_p(s) ≤ α_p s² + (c_p²/(4α_p) − |c_p| e_p)_+``
+    (``|c||s| ≤ α s² + c²/(4α)``), so the loss is at most
+
+        δ² λ_max(diag(√α) gram diag(√α)) + Σ_p (c_p²/(4α_p) − |c_p| e_p)_+
+
+    (the first sum is the quadratic form ``Σ_p α_p (∇_p · ΔX)²``). Each
+    ``λ`` of a grid gives ``α_p = λ/‖∇_p‖²`` (the choice that is optimal when the
+    gradients are orthogonal), lowered to ``|c_p|/(4e_p)`` where that costs
+    nothing; pairs out of reach (``δ‖∇_p‖ ≤ e_p``) and those that can only
+    raise the margin drop out; the least bound is kept. ``λ_max`` by
+    ``eigvalsh``, raised by ``10⁻¹⁰`` of the trace (its rounding)."""
+    c, gap = _pairs(z, g, dim)
+    e = gap - rest  # (B, P): the gap left once the remainder has moved the pair
+    grad_norm = grad_norm.expand_as(e)
+    lose = (c != 0) & (delta[:, None] * grad_norm > e)  # (K, B, P)
+    c = torch.where(lose, c.abs(), 0.0)
+    moving = grad_norm > 0
+    fixed = (c * (-e).clamp_min(0.0)).where(~moving, 0.0).sum(dim=-1)  # ∇_p = 0
+    g2 = grad_norm.square().clamp_min(1e-300)
+    lam0 = (c.square() * g2).sum(dim=-1).sqrt() / (2 * delta).clamp_min(
+        1e-300)  # (K, B): the orthogonal case's optimum
+    best = torch.full_like(lam0, torch.inf)
+    for k in range(-6, 7):
+        lam = lam0 * 2 ** (k / 2)
+        alpha = lam[..., None] / g2  # (K, B, P)
+        alpha = torch.where(e > 0, torch.minimum(alpha, c / (4 * e.clamp_min(1e-300))),
+                            alpha)
+        alpha = torch.where(lose & moving, alpha, 0.0)
+        on = alpha > 0
+        quad = c.square() / (4 * alpha.clamp_min(1e-300))
+        lin = quad - c * e + 1e-12 * (quad + c * e.abs())  # the subtraction's rounding
+        lin = torch.where(on, lin.clamp_min(0.0), 0.0).sum(dim=-1)
+        root = alpha.sqrt()
+        M = root[..., :, None] * gram[None] * root[..., None, :]  # (K, B, P, P)
+        top = torch.linalg.eigvalsh(M)[..., -1]
+        top = top + 1e-10 * M.diagonal(dim1=-2, dim2=-1).sum(dim=-1)
+        bound = delta**2 * top.clamp_min(0.0) + lin
+        best = torch.minimum(best, torch.where(lam > 0, bound, torch.inf))
+    none = ~(lose & moving).any(dim=-1)  # no moving pair in reach
+    return torch.where(none, 0.0, best) + fixed
+
+
 def projection_moves(X: Tensor, delta: Tensor, radius: float) -> Tensor:
     """``(B, N)`` bool: the tokens of ``X`` ``(B, N, D)`` whose projection's
     Jacobian may differ anywhere on the ball of radius ``delta`` ``(B,)`` from
