@@ -334,8 +334,9 @@ def noise_trained_vit(data: Dataset, sigma: float, steps: int) -> ViT:
 def weakened_copy(module, target: str, edits, caller: str | None = None) -> Callable:
     """A deliberately weakened bound, for the tests that must catch it: function
     ``caller`` (default ``target``) of ``module`` run in a copy of the module's
-    namespace whose ``target`` has each ``(old, new)`` of ``edits`` applied
-    (``old`` found exactly once in its source)."""
+    namespace, where every function of the module reads the copy, whose
+    ``target`` has each ``(old, new)`` of ``edits`` applied (``old`` found
+    exactly once in its source)."""
     import inspect
     import types
 
@@ -344,13 +345,16 @@ def weakened_copy(module, target: str, edits, caller: str | None = None) -> Call
         assert source.count(old) == 1, f"{target} no longer reads {old!r}"
         source = source.replace(old, new)
     namespace = dict(vars(module))
+    # Every function of the module reads the copy (a caller two calls away
+    # from the target too).
+    for name, fn in vars(module).items():
+        if isinstance(fn, types.FunctionType) and fn.__globals__ is vars(module):
+            namespace[name] = types.FunctionType(fn.__code__, namespace, fn.__name__,
+                                                 fn.__defaults__, fn.__closure__)
     # compile inherits this file's ``from __future__ import annotations``, as the
     # module's own functions were compiled with it.
     exec(compile(source, module.__file__, "exec"), namespace)
-    if caller is None or caller == target:
-        return namespace[target]
-    fn = getattr(module, caller)  # its code, reading the copy
-    return types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
+    return namespace[caller or target]
 
 
 def assert_survive_targeted_pgd(model: torch.nn.Module, x: Tensor, y: Tensor,

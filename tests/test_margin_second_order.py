@@ -16,11 +16,12 @@ what the ascent finds, for every seed:
   P⁰``). Bites where one token's attention grows several-fold on the ball:
   uniform attention over 16 equal tokens, ``‖a‖ δ = 2``, the values read along
   ``a`` (:func:`uniform`, ``‖a‖ = 10``, ``δ = 0.2``).
-- ``cov2``: the factor 2 of the covariance term dropped. Bites where that
+- ``cov2``: the factor 2 of the covariance term dropped (in the split
+  ``τ Σ P ν² + Σ P λ²/τ`` of eq. 11.9d and in (11.9)). Bites where that
   term is all there is and nearly tight: the same uniform tokens with weak
   logits (``‖a‖ = 1``, ``δ = 0.05``): the values move with the logits,
   the third moment vanishes, ``P̄ ≈ P⁰``.
-- ``half``: the logits' move halved in the quadratic forms (``a aᵀ / 4``).
+- ``half``: the logits' move halved in the quadratic forms (``a / 2``).
   Bites on the same configuration.
 - ``third``: the third-moment term dropped. Bites where one token's value
   stands apart from 15 others and its logit moves, the values read across
@@ -71,15 +72,18 @@ from lipvit.lipschitz_blocks import ClassAttention
 SEEDS = (0, 1, 2)
 F64 = torch.float64
 
-CURVATURE = "return 2 * (mu_nu * mu_lam).sqrt() + mu_S"
+SPLIT = "nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ Σ P ν² + Σ P λ²/τ"
 WEAKENINGS = {
     "centre": ("_curvature", [(
         "P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)",
         "P_bar = P0")]),
-    "cov2": ("_curvature", [(CURVATURE, "return (mu_nu * mu_lam).sqrt() + mu_S")]),
+    "cov2": ("_split_curvature", [
+        (SPLIT, "nu_coef, lam_coef = tau / 2, 1 / (2 * tau)"),
+        ("best = 2 * (mu_nu * mu_lam).sqrt()", "best = (mu_nu * mu_lam).sqrt()")]),
     "half": ("_curvature", [("C_a, C_w = a @ a.T, w @ w.mT",
-                             "C_a, C_w = a @ a.T / 4, w @ w.mT")]),
-    "third": ("_curvature", [(CURVATURE, "return 2 * (mu_nu * mu_lam).sqrt()")]),
+                             "a = a / 2\n    C_a, C_w = a @ a.T, w @ w.mT")]),
+    "third": ("_split_curvature", [("Ep = E[..., None] * p  # (K, B, H, N)",
+                                    "Ep = 0 * E[..., None] * p")]),
     "near": ("class_attention_remainder", [(
         "curvature(far * delta)", "curvature(near * delta)")]),
     "projection": ("class_attention_remainder", [(

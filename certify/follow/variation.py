@@ -333,28 +333,69 @@ def projection_remainder(X: Tensor, delta: Tensor, G_norm: Tensor,
 
 
 def _schur(C: Tensor, p: Tensor) -> Tensor:
-    """``max_j λ_max(Σ_h p_hj c_h c_hᵀ)`` ≤ ``max_{j,h} Σ_h′ |c_h · c_h′| p_h′j``
-    (Schur's test on the heads' Gram matrix ``√(p_h p_h′) c_h · c_h′`` with
-    the vector ``√p_h``): ``C`` ``(..., H, H)`` the Gram ``c_h · c_h′``, ``p``
-    ``(..., H, N)`` nonnegative weights; returns ``(...)``."""
-    return (C.abs() @ p).flatten(-2).amax(dim=-1) * (1 + 1e-12)
+    """``λ_max(Σ_h p_hj c_h c_hᵀ)`` ≤ ``max_h Σ_h′ |c_h · c_h′| p_h′j`` per token
+    ``j`` (Schur's test on the heads' Gram matrix ``√(p_h p_h′) c_h · c_h′``
+    with the vector ``√p_h``): ``C`` ``(..., H, H)`` the Gram ``c_h · c_h′``,
+    ``p`` ``(..., H, N)`` nonnegative weights; returns ``(..., N)``."""
+    return (C.abs() @ p).amax(dim=-2) * (1 + 1e-12)
 
 
 PIECES = 4
 """Pieces of the segment on which (11.9) bounds class attention's curvature
 by its value at the piece's far end (eq. 11.9c)."""
 
+SPLITS = tuple(2 ** (k / 2) for k in range(-4, 5))
+"""The factors of ``τ₀`` tried in the split ``2|Cov| ≤ τ Σ P ν² + Σ P λ²/τ``
+(eq. 11.9d); ``1`` makes the bound never weaker than (11.9)."""
+
+
+def _split_curvature(w: Tensor, a: Tensor, p: Tensor, E: Tensor, C_a: Tensor,
+                     nu: Tensor, lam: Tensor) -> Tensor:
+    """Eq. (11.9d): a bound on ``max_j λ_max(M_j)`` ``(K, B)``, minimised over
+    the splits ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), where
+
+        M_j = Σ_h p_hj (τ w_h w_hᵀ + (1/τ + E_h) a_h a_hᵀ)
+
+    (from ``2|Cov_P(ν, λ)| ≤ τ Σ_j P_j ν_j² + Σ_j P_j λ_j²/τ`` and the third
+    moment's ``E_h Σ_j P_j λ_j²``). ``M_j = Σ_i q_i c_i c_iᵀ`` over the ``2H``
+    vectors ``c = (w_h, a_h)`` with weights ``q = (τ p_hj, (1/τ + E_h) p_hj)
+    ≥ 0``, so ``λ_max(M_j)`` is at most its Frobenius norm ``(qᵀ (Γ ∘ Γ)
+    q)^{1/2}``, ``Γ`` the vectors' Gram matrix: a polynomial in ``τ`` and
+    ``1/τ`` whose coefficients are computed once. The result is also capped
+    by (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` (``μ`` the maxima of :func:`_schur`'s
+    ``ν`` of ``w``, ``λ`` of ``a`` and of ``a`` weighted by ``E``). ``w``
+    ``(K, B, H, D)``, ``a`` ``(H, D)``, ``p`` ``(B, H, N)``, ``E`` ``(K, B,
+    H)``, ``C_a`` ``(H, H)`` (``a aᵀ``), ``nu`` ``(K, B, N)``, ``lam`` ``(B,
+    N)``."""
+    Ep = E[..., None] * p  # (K, B, H, N)
+    G_ww, G_wa, G_aa = (w @ w.mT).square(), (w @ a.T).square(), C_a.square()
+    G_aa_Ep = G_aa @ Ep  # (K, B, H, N)
+    A = (p * (G_ww @ p)).sum(dim=-2)  # (K, B, N): the coefficients of ‖M_j‖_F²
+    B1, B2 = (p * (G_wa @ p)).sum(dim=-2), (p * (G_wa @ Ep)).sum(dim=-2)
+    C1 = (p * (G_aa @ p)).sum(dim=-2)  # (B, N)
+    C2, C3 = (p * G_aa_Ep).sum(dim=-2), (Ep * G_aa_Ep).sum(dim=-2)
+    mu_nu, mu_lam = nu.amax(dim=-1), lam.amax(dim=-1)  # (K, B), (B,)
+    tau0 = (mu_lam / mu_nu.clamp_min(1e-300)).sqrt().clamp(1e-150, 1e150)[..., None]
+    best = 2 * (mu_nu * mu_lam).sqrt() + _schur(C_a, Ep).amax(dim=-1)  # (11.9)
+    for f in SPLITS:
+        tau = tau0 * f  # (K, B, 1)
+        nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ Σ P ν² + Σ P λ²/τ
+        frobenius = (nu_coef**2 * A + 2 * nu_coef * (lam_coef * B1 + B2)
+                     + lam_coef**2 * C1 + 2 * lam_coef * C2 + C3).sqrt()
+        best = torch.minimum(best, frobenius.amax(dim=-1) * (1 + 1e-12))
+    return best
+
 
 def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
                P_ball: Tensor, Delta: Tensor, radius: float
                ) -> Callable[[Tensor], Tensor]:
-    """``s ↦ 2 √(μ_ν μ_λ) + μ_S ≥ |F″(t)| / δ²`` ``(K, B)`` at every point of the
-    segment within ``s`` ``(B,)`` of its start (eq. 11.9b): ``P̄`` the smaller of
-    ``P_ball`` (eq. 10.1 on the whole ball) and Jensen's ``P_hj e^{‖a_h‖ s ‖e_j
-    + P_h‖}``, ``E_h ≥ max_j |f_hj − f̄_h|`` within ``s``. ``f, phi, w`` from
-    :func:`_read_along`; ``P0, P_ball`` ``(B, H, N)``; ``Delta`` ``(B, H)``
-    eq. 10.1's on the whole ball. What does not depend on ``s`` is computed
-    once."""
+    """``s ↦ max_j λ_max(M_j) ≥ |F″(t)| / δ²`` ``(K, B)`` at every point of the
+    segment within ``s`` ``(B,)`` of its start (eq. 11.9b, 11.9d): ``P̄`` the
+    smaller of ``P_ball`` (eq. 10.1 on the whole ball) and Jensen's ``P_hj
+    e^{‖a_h‖ s ‖e_j + P_h‖}``, ``E_h ≥ max_j |f_hj − f̄_h|`` within ``s``.
+    ``f, phi, w`` from :func:`_read_along`; ``P0, P_ball`` ``(B, H, N)``;
+    ``Delta`` ``(B, H)`` eq. 10.1's on the whole ball. What does not depend
+    on ``s`` is computed once."""
     w_norm = w.norm(dim=-1)  # (K, B, H)
     a_norm = a.norm(dim=-1)  # (H,)
     dev = (f - phi).abs()  # (K, B, H, N)
@@ -374,10 +415,8 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
                  + (eta * dev).sum(dim=-1))  # (K, B, H) ≥ |f̄ − φ_h|
         E = torch.minimum(dev.amax(dim=-1) + w_norm * s[:, None] + d_phi,
                           2 * radius * w_norm)  # (K, B, H)
-        mu_lam = _schur(C_a, P_bar)  # (B,)
-        mu_nu = _schur(C_w, P_bar)  # (K, B)
-        mu_S = _schur(C_a, E[..., None] * P_bar)  # (K, B)
-        return 2 * (mu_nu * mu_lam).sqrt() + mu_S
+        nu, lam = _schur(C_w, P_bar), _schur(C_a, P_bar)  # (K, B, N), (B, N)
+        return _split_curvature(w, a, P_bar, E, C_a, nu, lam)
 
     return at
 
@@ -397,11 +436,13 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     ``|φ_h″| ≤ 2 √(Σ_j P̄_hj ν_j²) √(Σ_j P̄_hj λ_j²) + E_h Σ_j P̄_hj λ_j²``
     with ``E_h ≥ max_j |f_hj − f̄_h|`` on the ball. Summed over the heads
     (Cauchy–Schwarz), each sum is a quadratic form ``Σ_j Δ_jᵀ M_j Δ_j ≤ μ δ²``
-    (``μ`` by :func:`_schur`): ``|F″(t)| ≤ δ² (2 √(μ_ν μ_λ) + μ_S)``, with
-    ``P̄`` and ``E`` those of the points within ``tδ`` of the start
-    (:func:`_curvature`). ``r_F = ∫₀¹ (1 − t) F″(t) dt`` is then at most
-    the sum over :data:`PIECES` equal pieces of the segment of each piece's
-    weight ``∫ (1 − t) dt`` times the bound at its far end (eq. 11.9c). The
+    (``μ`` by :func:`_schur`): ``|F″(t)| ≤ δ² (2 √(μ_ν μ_λ) + μ_S)``, or
+    ``δ² max_j λ_max(M_j)`` with the covariance split into one quadratic form
+    (eq. 11.9d, :func:`_split_curvature`, the least kept), with ``P̄`` and
+    ``E`` those of the points within ``tδ`` of the start (:func:`_curvature`).
+    ``r_F = ∫₀¹ (1 − t) F″(t) dt`` is then at most the sum over
+    :data:`PIECES` equal pieces of the segment of each piece's weight
+    ``∫ (1 − t) dt`` times the bound at its far end (eq. 11.9c). The
     projection's own remainder read by the clean gradient ``G`` is
     :func:`projection_remainder`.
 
