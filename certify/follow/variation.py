@@ -340,7 +340,7 @@ def _schur(C: Tensor, p: Tensor) -> Tensor:
     return (C.abs() @ p).amax(dim=-2) * (1 + 1e-12)
 
 
-PIECES = 4
+PIECES = 8
 """Pieces of the segment on which (11.9) bounds class attention's curvature
 by its value at the piece's far end (eq. 11.9c)."""
 
