@@ -49,6 +49,7 @@ from .variation import (
     class_attention_variation,
     coupled_maxmin_remainder,
     maxmin_remainder,
+    pair_radius,
     projection_moves,
     self_attention_variation,
 )
@@ -128,6 +129,10 @@ class MarginCertificate:
                 self.stem_L.append(L)
             self.W1 = {id(m.fc1): spectral_norm(m.fc1.weight) * (1 + 1e-12)
                        for m in model.modules() if isinstance(m, GatedMLP)}
+            # ‖W_a − W_b‖ of each map MaxMin reads: its pairs' reach (eq. 11.3b).
+            self.V = {id(m): _difference_norm(m) for m in
+                      [*model.stem, model.head_hidden,
+                       *(b.fc1 for b in model.modules() if isinstance(b, GatedMLP))]}
             # The CaiT's head reads the class token: its pairs' moves (eq. 11.11).
             self._pairs = (self._pair_directions()
                            if isinstance(chain.maps[-1], ClassAttention) else None)
@@ -213,7 +218,9 @@ class MarginCertificate:
             if any(module is conv for conv in self.model.stem):
                 i = [conv is module for conv in self.model.stem].index(True)
                 delta = eps * self.stem_L[i]
-                rest.append(maxmin_remainder(site.z, site.g, delta, -3))
+                reach = pair_radius(delta, eps * (self.stem_L[i - 1] if i else 1),
+                                    self.V[id(module)])
+                rest.append(maxmin_remainder(site.z, site.g, reach, -3))
                 cuts.append(delta * g_norm)  # MaxMin keeps both norms
             elif isinstance(module, GatedAttention | ClassAttention):
                 delta = eps * bc.L_in[attn_k]
@@ -227,7 +234,8 @@ class MarginCertificate:
                 attn_k += 1
             elif module is self.model.head_hidden:
                 delta = eps * bc.L  # the features' radius, the head MaxMin's input's
-                r = maxmin_remainder(site.z, site.g, delta, -1)
+                r = maxmin_remainder(site.z, site.g,
+                                     pair_radius(delta, delta, self.V[id(module)]), -1)
                 if pair_rest is not None:  # the class token's pairs (eq. 11.11–12)
                     _, grad_norm, gram = self._pairs
                     moves = (class_delta * grad_norm + pair_rest) * (1 + 1e-12)
@@ -239,8 +247,10 @@ class MarginCertificate:
                 rest.append(r)
                 cuts.append(None)  # after it: ``ball``'s bound, in :meth:`drops`
             else:  # a CaiT block's MLP, after the attention map just passed
-                delta = self.W1[id(module)] * eps * bc.L_mid[attn_k - 1]
-                rest.append(maxmin_remainder(site.z, site.g, delta, -1))
+                delta_in = eps * bc.L_mid[attn_k - 1]
+                reach = pair_radius(self.W1[id(module)] * delta_in, delta_in,
+                                    self.V[id(module)])
+                rest.append(maxmin_remainder(site.z, site.g, reach, -1))
                 cuts.append(None)
         return rest, cuts
 
@@ -285,6 +295,16 @@ class MarginCertificate:
         top = torch.where(self.correct & torch.isfinite(top), top.clamp_min(0), zero)
         return bisect_radius(self.certified, top > 0, dtype=top.dtype, rtol=rtol,
                              certified_at=certified_at, bracket=(zero, top))
+
+
+def _difference_norm(layer: nn.Module) -> Tensor:
+    """``‖W_a − W_b‖`` (rounded up) of a linear map or stride-1 convolution
+    whose outputs MaxMin pairs as halves ``a, b`` (eq. 11.3b)."""
+    a, b = layer.weight.chunk(2, dim=0)
+    if a.ndim == 4:
+        return conv_operator_norm(a - b, layer.parametrizations.weight[0].size) * (
+            1 + 1e-12)
+    return spectral_norm(a - b) * (1 + 1e-12)
 
 
 def margin_certificate(model: nn.Module, x: Tensor, y: Tensor) -> MarginCertificate:

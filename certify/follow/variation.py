@@ -93,6 +93,16 @@ def maxmin_remainder(z: Tensor, g: Tensor, delta: Tensor, dim: int) -> Tensor:
     return pair_remainder(*_pairs(z, g, dim), delta)
 
 
+def pair_radius(delta: Tensor, delta_in: Tensor, V_norm: Tensor) -> Tensor:
+    """Eq. (11.3b): the radius (11.3) may take for the pairs of a MaxMin that
+    reads a linear map ``z = W t + b`` of an input moving by at most
+    ``delta_in``: the pair differences move as ``Δd = V Δt``, ``V = W_a −
+    W_b``, so ``Σ_p Δd_p² ≤ ‖V‖² δ_in²``, i.e. ``Σ_p t_p² ≤ (‖V‖ δ_in/√2)²``
+    with ``|Δd_p| = √2 t_p``; and ``Σ_p t_p² ≤ δ²`` with ``delta`` the
+    pre-activations' radius. The smaller of the two, ``(B,)``."""
+    return torch.minimum(delta, V_norm * delta_in / 2**0.5)
+
+
 def _pairs(z: Tensor, g: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """MaxMin's pairs along ``dim`` (negative): ``c = g_a − g_b`` ``(K, B, P)``
     (gradients at the input), set to 0 for the pairs that cannot lower the
