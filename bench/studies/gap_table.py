@@ -150,7 +150,10 @@ def plot(results: dict, eps_list, path: Path, n: int, machine: str) -> None:
                                for e in eps_list], style, marker=marker,
                     markersize=size, markerfacecolor=face,
                     label=f"{method} (certified)")
-        ax.set_title(f"{name}: clean {100 * r['clean']:.1f} %")
+        radii = (f"\nmedian radius: margin {r['margin']['median_radius']:.3f}, "
+                 f"attacks {r['attack_median_radius']:.2f}"
+                 if "attack_median_radius" in r else "")
+        ax.set_title(f"{name}: clean {100 * r['clean']:.1f} %{radii}", fontsize=10)
         ax.set_xlabel("ε (ℓ2, pixels in [0, 1])")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
@@ -168,6 +171,8 @@ def main() -> None:
     p.add_argument("--merge", nargs="*", type=Path, default=[],
                    help="instead of measuring: earlier gap_table.json files, "
                         "their models side by side in one JSON and figure")
+    p.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                   help="with --merge: show model OLD as NEW")
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--n", type=int, default=300)
     p.add_argument("--eps", default="0.1,0.25,0.5,1.0")
@@ -192,7 +197,9 @@ def main() -> None:
                f"{args.threads} thread(s), torch {torch.__version__}")
     if args.merge:
         runs = [json.loads(f.read_text()) for f in args.merge]
-        results = {k: v for run in runs for k, v in run["results"].items()}
+        renamed = dict(text.split("=", 1) for text in args.rename)
+        results = {renamed.get(k, k): v for run in runs
+                   for k, v in run["results"].items()}
         eps_list = runs[0]["eps"]
         machine = runs[0]["machine"] + (f", {runs[0]['threads']} thread(s)"
                                         if "threads" in runs[0] else "")
