@@ -130,9 +130,8 @@ class MarginCertificate:
             self.W1 = {id(m.fc1): spectral_norm(m.fc1.weight) * (1 + 1e-12)
                        for m in model.modules() if isinstance(m, GatedMLP)}
             # ‖W_a − W_b‖ of each map MaxMin reads: its pairs' reach (eq. 11.3b).
-            self.V = {id(m): _difference_norm(m) for m in
-                      [*model.stem, model.head_hidden,
-                       *(b.fc1 for b in model.modules() if isinstance(b, GatedMLP))]}
+            self.V = {id(s.module): _difference_norm(s.module) for s in self.sites
+                      if not isinstance(s.module, GatedAttention | ClassAttention)}
             # The CaiT's head reads the class token: its pairs' moves (eq. 11.11).
             self._pairs = (self._pair_directions()
                            if isinstance(chain.maps[-1], ClassAttention) else None)

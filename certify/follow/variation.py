@@ -359,7 +359,7 @@ SPLITS = tuple(2 ** (k / 2) for k in range(-4, 5))
 (eq. 11.9d); ``1`` makes the bound never weaker than (11.9)."""
 
 
-def _split_curvature(w: Tensor, a: Tensor, p: Tensor, E: Tensor, C_a: Tensor,
+def _split_curvature(p: Tensor, E: Tensor, C_a: Tensor, squares: tuple[Tensor, ...],
                      nu: Tensor, lam: Tensor) -> Tensor:
     """Eq. (11.9d): a bound on ``max_j λ_max(M_j)`` ``(K, B)``, minimised over
     the splits ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), where
@@ -371,14 +371,15 @@ def _split_curvature(w: Tensor, a: Tensor, p: Tensor, E: Tensor, C_a: Tensor,
     vectors ``c = (w_h, a_h)`` with weights ``q = (τ p_hj, (1/τ + E_h) p_hj)
     ≥ 0``, so ``λ_max(M_j)`` is at most its Frobenius norm ``(qᵀ (Γ ∘ Γ)
     q)^{1/2}``, ``Γ`` the vectors' Gram matrix: a polynomial in ``τ`` and
-    ``1/τ`` whose coefficients are computed once. The result is also capped
-    by (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` (``μ`` the maxima of :func:`_schur`'s
-    ``ν`` of ``w``, ``λ`` of ``a`` and of ``a`` weighted by ``E``). ``w``
-    ``(K, B, H, D)``, ``a`` ``(H, D)``, ``p`` ``(B, H, N)``, ``E`` ``(K, B,
-    H)``, ``C_a`` ``(H, H)`` (``a aᵀ``), ``nu`` ``(K, B, N)``, ``lam`` ``(B,
-    N)``."""
+    ``1/τ`` whose coefficients are computed once; ``squares`` are the blocks
+    ``(w_h · w_h′)²``, ``(w_h · a_h′)²``, ``(a_h · a_h′)²`` of ``Γ ∘ Γ``,
+    ``(K, B, H, H)``, ``(K, B, H, H)``, ``(H, H)``, the same in every piece.
+    The result is also capped by (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` (``μ`` the
+    maxima of :func:`_schur`'s ``ν`` of ``w``, ``λ`` of ``a`` and of ``a``
+    weighted by ``E``). ``p`` ``(B, H, N)``, ``E`` ``(K, B, H)``, ``C_a``
+    ``(H, H)`` (``a aᵀ``), ``nu`` ``(K, B, N)``, ``lam`` ``(B, N)``."""
     Ep = E[..., None] * p  # (K, B, H, N)
-    G_ww, G_wa, G_aa = (w @ w.mT).square(), (w @ a.T).square(), C_a.square()
+    G_ww, G_wa, G_aa = squares
     G_aa_Ep = G_aa @ Ep  # (K, B, H, N)
     A = (p * (G_ww @ p)).sum(dim=-2)  # (K, B, N): the coefficients of ‖M_j‖_F²
     B1, B2 = (p * (G_wa @ p)).sum(dim=-2), (p * (G_wa @ Ep)).sum(dim=-2)
@@ -413,6 +414,7 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
     # ‖e_j + P_h‖ s, ‖e_j + P_h‖² = 1 + 2 P_hj + ‖P_h‖².
     reach = (1 + 2 * P0 + P0.square().sum(dim=-1, keepdim=True)).sqrt()  # (B, H, N)
     C_a, C_w = a @ a.T, w @ w.mT  # (H, H), (K, B, H, H)
+    squares = (C_w.square(), (w @ a.T).square(), C_a.square())  # Γ ∘ Γ (11.9d)
 
     def at(s: Tensor) -> Tensor:
         zeta = (a_norm[:, None] * s[:, None, None] * reach).exp()
@@ -426,7 +428,7 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
         E = torch.minimum(dev.amax(dim=-1) + w_norm * s[:, None] + d_phi,
                           2 * radius * w_norm)  # (K, B, H)
         nu, lam = _schur(C_w, P_bar), _schur(C_a, P_bar)  # (K, B, N), (B, N)
-        return _split_curvature(w, a, P_bar, E, C_a, nu, lam)
+        return _split_curvature(P_bar, E, C_a, squares, nu, lam)
 
     return at
 
