@@ -7,8 +7,9 @@ and the largest difference between the two attacks' points.
     python bench/user/attack_speed.py --ckpt c2.pt --n 60 --attack pgd-l2 --eps 0.5
 
 The model in float64 (as ``lipvit certify`` and the gap table attack it), one
-thread, the first ``--n`` test points of the checkpoint's dataset; the two
-settings alternate ``--repeats`` times and the least time of each is kept.
+thread, ``--n`` test points of the checkpoint's dataset as ``lipvit certify
+--n`` picks them; the two settings alternate ``--repeats`` times and the
+least time of each is kept.
 """
 
 from __future__ import annotations
@@ -22,17 +23,14 @@ from pathlib import Path
 import torch
 from lipvit.analysis.attacks import perturb
 
-from lipvit.checkpoint import load_checkpoint
-from lipvit.data import load_dataset
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _out
 from _out import add_out, write_json  # noqa: E402
+from _points import float64_points  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, type=Path)
-    p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--n", type=int, default=60)
     p.add_argument("--attack", default="pgd-l2")
     p.add_argument("--eps", type=float, default=0.5)
@@ -41,10 +39,7 @@ def main() -> None:
     add_out(p, __file__)
     args = p.parse_args()
     torch.set_num_threads(1)
-    loaded = load_checkpoint(args.ckpt)
-    model = loaded.model.double().eval()
-    data = load_dataset(loaded.dataset or "fashion-mnist", args.data_dir)
-    x, y = data.x_test[:args.n].double(), data.y_test[:args.n]
+    model, x, y, _ = float64_points(str(args.ckpt), args.n)
     runs = {"recomputed": perturb.__wrapped__, "fixed": perturb}
     seconds = {name: float("inf") for name in runs}
     points = {}
