@@ -4,7 +4,10 @@ ascent finds on the same ball.
 
 On the first ``--n`` Fashion-MNIST test points of a lipschitz hybrid ViT or
 CaiT, at each ``--eps``: the share certified by ``margin``, by ``ball`` and by
-the first-order ceiling ``m_j > ε ‖∇m_j‖`` (not a certificate); then, at each
+the first-order ceiling ``m_j > ε ‖∇m_j‖`` (not a certificate), and the
+share each site's remainder bound holds back: what the same cuts (eq. 11.8)
+would certify were that one bound halved or removed (not certificates: where
+a tighter bound would pay); then, at each
 correctly classified point's tightest wrong class (the least slack under
 ``margin``), the medians of the margin, its first-order term, ``ball``'s and
 ``margin``'s drop bounds and every site's remainder bound; on a CaiT, the
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 from lipvit.certify.ball.network import ball_chain
-from lipvit.certify.follow.network import margin_certificate
+from lipvit.certify.follow.network import least_cut, margin_certificate
 
 from lipvit.checkpoint import load_checkpoint
 from lipvit.data import load_dataset
@@ -72,12 +75,9 @@ def ascended_remainder(ca, X: torch.Tensor, u: torch.Tensor, delta: torch.Tensor
 def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
     mc = margin_certificate(model, x, y)
     e = torch.full((len(y),), eps, dtype=x.dtype)
-    with torch.no_grad():
-        bc = ball_chain(mc.chain, mc.inputs, e)
-        rest, _ = mc._terms(e, bc)
-        own, ball = (t.mT for t in mc.drops(e))  # (K, B)
+    first, rest, cuts, ball = mc.terms(e)  # (K, B) each, unrounded
+    own, ball_drop = (t.mT for t in mc.drops(e))  # rounded up
     M = mc.margins.mT
-    first = eps * mc.gx_norm
     slack = torch.where(torch.isfinite(M - own), M - own, torch.inf)
     k, idx, ok = slack.argmin(dim=0), torch.arange(len(y)), mc.correct
 
@@ -87,16 +87,24 @@ def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
     def share(bound: torch.Tensor) -> float:
         return float(((M > bound).all(dim=0) & ok).double().mean())
 
-    out = {"margin_certified": share(own), "ball_certified": share(ball),
+    def scaled(i: int, factor: float) -> float:
+        """The share certified with site ``i``'s remainder bound times ``factor``."""
+        parts = [r * factor if j == i else r for j, r in enumerate(rest)]
+        return share(least_cut(first, parts, cuts, ball))
+
+    out = {"margin_certified": share(own), "ball_certified": share(ball_drop),
            "first_order_ceiling": share(first),
+           "if_halved": [scaled(i, 0.5) for i in range(len(rest))],
+           "if_removed": [scaled(i, 0.0) for i in range(len(rest))],
            "tightest_class_medians": {"margin": med(M), "first_order": med(first),
-                                      "ball_drop": med(ball), "margin_drop": med(own)},
+                                      "ball_drop": med(ball_drop),
+                                      "margin_drop": med(own)},
            "site_remainders": [{"site": type(s.module).__name__, "median": med(r)}
                                for s, r in zip(mc.sites, rest, strict=True)]}
     site = next((s for s in mc.sites if isinstance(s.module, ClassAttention)), None)
     if site is not None:
         i = mc.sites.index(site)
-        delta = e * bc.L_in[-1]
+        delta = e * ball_chain(mc.chain, mc.inputs, e).L_in[-1]
         found = ascended_remainder(site.module, site.z, site.g[k, idx], delta, steps,
                                    starts)
         bound = rest[i][k, idx]
@@ -131,6 +139,9 @@ def main() -> None:
               f"{r['first_order_ceiling']:.3f}; {r['tightest_class_medians']}")
         print("  " + ", ".join(f"{s['site']} {s['median']:.3f}"
                                for s in r["site_remainders"]))
+        print("  certified were one bound halved / removed: " + ", ".join(
+            f"{s['site']} {h:.3f}/{z:.3f}" for s, h, z in zip(
+                r["site_remainders"], r["if_halved"], r["if_removed"], strict=True)))
         if "class_attention" in r:
             print(f"  class attention: {r['class_attention']}")
     write_json(args.out, __file__,

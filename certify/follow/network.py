@@ -254,21 +254,24 @@ class MarginCertificate:
         return rest, cuts
 
     @torch.no_grad()
-    def drops(self, eps: Tensor) -> tuple[Tensor, Tensor]:
-        """``(B, K)`` bounds of each margin's drop on the ε-ball, ``margin``'s
-        (the least over the cuts, eq. 11.8) and ``ball``'s ``ε L(x, ε) ‖w_y −
-        w_j‖`` (the last cut), both rounded up. ``eps`` ``(B,)``."""
+    def terms(self, eps: Tensor) -> tuple[Tensor, list[Tensor], list, Tensor]:
+        """The pieces :meth:`drops` combines at ``eps`` ``(B,)``: the
+        first-order term ``ε ‖∇ₓ m_j‖`` ``(K, B)``, each site's remainder bound
+        and cut (:meth:`_terms`) and ``ball``'s drop ``ε L(x, ε) ‖w_y − w_j‖``
+        ``(K, B)``."""
         bc = ball_chain(self.chain, self.inputs, eps)
         rest, cuts = self._terms(eps, bc)
         ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
-        after = torch.zeros_like(rest[0])  # the remainders after the current site
-        best = ball.mT
-        for r, cut in zip(reversed(rest), reversed(cuts), strict=True):
-            if cut is not None:
-                best = torch.minimum(best, cut + after)
-            after = after + r
-        best = torch.minimum(best, eps * self.gx_norm + after)
-        return best.mT * (1 + ROUNDING), ball * (1 + ROUNDING)
+        return eps * self.gx_norm, rest, cuts, ball.mT
+
+    @torch.no_grad()
+    def drops(self, eps: Tensor) -> tuple[Tensor, Tensor]:
+        """``(B, K)`` bounds of each margin's drop on the ε-ball, ``margin``'s
+        (:func:`least_cut` of :meth:`terms`) and ``ball``'s ``ε L(x, ε) ‖w_y −
+        w_j‖`` (the last cut), both rounded up. ``eps`` ``(B,)``."""
+        first, rest, cuts, ball = self.terms(eps)
+        best = least_cut(first, rest, cuts, ball)
+        return best.mT * (1 + ROUNDING), ball.mT * (1 + ROUNDING)
 
     def certified(self, eps: Tensor | float) -> Tensor:
         """``(B,)`` bool: every wrong class's margin (rounded down) exceeds its
@@ -294,6 +297,21 @@ class MarginCertificate:
         top = torch.where(self.correct & torch.isfinite(top), top.clamp_min(0), zero)
         return bisect_radius(self.certified, top > 0, dtype=top.dtype, rtol=rtol,
                              certified_at=certified_at, bracket=(zero, top))
+
+
+def least_cut(first: Tensor, rest: list[Tensor], cuts: list, ball: Tensor) -> Tensor:
+    """Eq. (11.8): each margin's drop bound ``(K, B)``, the least over the
+    chain's cuts: the first-order term ``first`` plus every remainder in
+    ``rest``, or a cut's ``δ_out ‖g_out‖`` (``cuts``, in forward order,
+    ``None`` where not taken) plus the remainders after it, or ``ball``'s
+    drop (the cut after the last map)."""
+    after = torch.zeros_like(rest[0])  # the remainders after the current site
+    best = ball
+    for r, cut in zip(reversed(rest), reversed(cuts), strict=True):
+        if cut is not None:
+            best = torch.minimum(best, cut + after)
+        after = after + r
+    return torch.minimum(best, first + after)
 
 
 def _difference_norm(layer: nn.Module) -> Tensor:
