@@ -67,12 +67,13 @@ class Site(NamedTuple):
     g: Tensor
 
 
-def _record(model: nn.Module, x: Tensor, y: Tensor
-            ) -> tuple[Tensor, Tensor, list[Site]]:
+def _record(model: nn.Module, x: Tensor, y: Tensor, targets: Tensor | None = None,
+            create_graph: bool = False) -> tuple[Tensor, Tensor, list[Site]]:
     """Logits, ``‖∇ₓ m_j‖`` ``(K, B)`` and the :class:`Site` list of ``model``
     at ``x``: forward hooks keep every site's input and output; one batched
-    backward pass (a vector ``e_y − e_j`` per class) gives the margins'
-    gradients at all of them."""
+    backward pass (a vector ``e_y − e_j`` per class: every class, or the
+    classes ``targets`` ``(B, K)``) gives the margins' gradients at all of
+    them. With ``create_graph`` everything stays differentiable (training)."""
     kept: list[tuple[nn.Module, Tensor, Tensor]] = []
     maxmin_inputs = [*model.stem, model.head_hidden]
     maxmin_inputs += [m.fc1 for m in model.modules() if isinstance(m, GatedMLP)]
@@ -80,7 +81,7 @@ def _record(model: nn.Module, x: Tensor, y: Tensor
     def hook(module, args, out):
         # MaxMin follows the module: its input is the module's output.
         z = out if any(module is m for m in maxmin_inputs) else args[0]
-        kept.append((module, z.detach(), out))
+        kept.append((module, z if create_graph else z.detach(), out))
 
     modules = [*maxmin_inputs, *(m for m in model.modules()
                                  if isinstance(m, GatedAttention | ClassAttention))]
@@ -90,14 +91,18 @@ def _record(model: nn.Module, x: Tensor, y: Tensor
         with torch.enable_grad():
             logits = model(x)
             eye = torch.eye(logits.shape[1], dtype=x.dtype, device=x.device)
-            E = eye[y][None] - eye[:, None, :]  # (K, B, classes)
+            wrong = eye[:, None, :] if targets is None else eye[targets.mT]
+            E = eye[y][None] - wrong  # (K, B, classes)
             grads = torch.autograd.grad(logits, [x, *(out for _, _, out in kept)],
-                                        grad_outputs=E, is_grads_batched=True)
+                                        grad_outputs=E, is_grads_batched=True,
+                                        create_graph=create_graph)
     finally:
         for h in handles:
             h.remove()
     sites = [Site(m, z, g) for (m, z, _), g in zip(kept, grads[1:], strict=True)]
-    return logits.detach(), grads[0].flatten(2).norm(dim=-1), sites
+    if not create_graph:
+        logits = logits.detach()
+    return logits, grads[0].flatten(2).norm(dim=-1), sites
 
 
 class MarginCertificate:
@@ -109,18 +114,21 @@ class MarginCertificate:
         chain: the model's :func:`~lipvit.certify.global_bound.proven_chain`.
         model: a hybrid ViT or CaiT (certify a float64 copy, in eval mode).
         x: images ``(B, C, S, S)``; ``y``: labels ``(B,)``.
+        targets: the wrong classes to bound, ``(B, K)`` (default: every class;
+            ``y``'s own margin is ``+inf``).
+        differentiable: keep the drops differentiable in the model's weights
+            (training, :mod:`lipvit.training.margin_loss`); the operator norms
+            the bounds read (the stem's, ``‖W₁‖``, ``‖W_a − W_b‖``) enter as
+            constants of the current weights.
     """
 
-    def __init__(self, chain: Chain, model: nn.Module, x: Tensor, y: Tensor):
-        self.chain, self.model = chain, model
-        logits, self.gx_norm, self.sites = _record(model, x, y)
+    def __init__(self, chain: Chain, model: nn.Module, x: Tensor, y: Tensor, *,
+                 targets: Tensor | None = None, differentiable: bool = False):
+        self.chain, self.model, self.differentiable = chain, model, differentiable
+        logits, self.gx_norm, self.sites = _record(model, x, y, targets, differentiable)
         with torch.no_grad():
-            self.margins = pair_margins(logits, y)  # (B, K), +inf at y
             one = torch.ones((), dtype=x.dtype, device=x.device)
-            self.pair = pair_constants(model.head.weight, one, y)  # ‖w_y − w_j‖
             self.correct = logits.argmax(dim=1) == y
-            self.inputs = [s.z for s in self.sites
-                           if isinstance(s.module, GatedAttention | ClassAttention)]
             # Each stem convolution's output radius over ε: the convolutions so far.
             self.stem_L, L = [], one
             for conv in model.stem:
@@ -132,6 +140,14 @@ class MarginCertificate:
             # ‖W_a − W_b‖ of each map MaxMin reads: its pairs' reach (eq. 11.3b).
             self.V = {id(s.module): _difference_norm(s.module) for s in self.sites
                       if not isinstance(s.module, GatedAttention | ClassAttention)}
+        with torch.set_grad_enabled(differentiable):
+            self.margins = pair_margins(logits, y)  # (B, classes), +inf at y
+            self.pair = pair_constants(model.head.weight, one, y)  # ‖w_y − w_j‖
+            if targets is not None:
+                self.margins = self.margins.gather(1, targets)  # (B, K)
+                self.pair = self.pair.gather(1, targets)
+            self.inputs = [s.z for s in self.sites
+                           if isinstance(s.module, GatedAttention | ClassAttention)]
             # The CaiT's head reads the class token: its pairs' moves (eq. 11.11).
             self._pairs = (self._pair_directions()
                            if isinstance(chain.maps[-1], ClassAttention) else None)
@@ -149,11 +165,14 @@ class MarginCertificate:
         W1 = self.model.head_hidden.weight  # (2P, H·d_v)
         a, b = W1.chunk(2, dim=0)
         v = a - b
-        X = self.inputs[-1].detach().requires_grad_(True)
+        X = self.inputs[-1]
+        if not self.differentiable:
+            X = X.detach().requires_grad_(True)
         with torch.enable_grad():
             c = self.chain.maps[-1](X)  # (B, H·d_v)
             (grad,) = torch.autograd.grad(c, X, grad_outputs=v[:, None].expand(
-                -1, *c.shape).contiguous(), is_grads_batched=True)
+                -1, *c.shape).contiguous(), is_grads_batched=True,
+                create_graph=self.differentiable)
         grad = grad.flatten(2)  # (P, B, N·D)
         gram = torch.einsum("pbi,qbi->bpq", grad, grad)
         return v, grad.norm(dim=-1) * (1 + 1e-12), gram
@@ -253,18 +272,17 @@ class MarginCertificate:
                 cuts.append(None)
         return rest, cuts
 
-    @torch.no_grad()
     def terms(self, eps: Tensor) -> tuple[Tensor, list[Tensor], list, Tensor]:
         """The pieces :meth:`drops` combines at ``eps`` ``(B,)``: the
         first-order term ``ε ‖∇ₓ m_j‖`` ``(K, B)``, each site's remainder bound
         and cut (:meth:`_terms`) and ``ball``'s drop ``ε L(x, ε) ‖w_y − w_j‖``
         ``(K, B)``."""
-        bc = ball_chain(self.chain, self.inputs, eps)
-        rest, cuts = self._terms(eps, bc)
-        ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
-        return eps * self.gx_norm, rest, cuts, ball.mT
+        with torch.set_grad_enabled(self.differentiable):
+            bc = ball_chain(self.chain, self.inputs, eps)
+            rest, cuts = self._terms(eps, bc)
+            ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
+            return eps * self.gx_norm, rest, cuts, ball.mT
 
-    @torch.no_grad()
     def drops(self, eps: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, K)`` bounds of each margin's drop on the ε-ball, ``margin``'s
         (:func:`least_cut` of :meth:`terms`) and ``ball``'s ``ε L(x, ε) ‖w_y −

@@ -43,6 +43,20 @@ from lipvit.spectral import spectral_norm
 GAP_SLACK = 1e-12
 
 
+def _floor(x: Tensor) -> Tensor:
+    """``x`` raised to at least the smallest positive normal number of its
+    dtype: a divisor that is never 0 (float32 in training as well as
+    float64)."""
+    return x.clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def _root(x: Tensor) -> Tensor:
+    """``√x`` of ``x ≥ 0`` from :func:`_floor`: the same value to within
+    ``√tiny``, and a gradient that is finite at 0 (training differentiates
+    the bounds, :mod:`lipvit.training.margin_loss`)."""
+    return _floor(x).sqrt()
+
+
 def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
     """Eq. (11.3)'s dual bound: ``max Σ_p |c_p| (√2 t_p − |d_p|)_+`` over
     ``Σ_p t_p² ≤ δ²`` is at most, for every ``λ > 0``,
@@ -56,7 +70,7 @@ def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
     value a valid bound. ``c`` ``(K, B, P)``, ``d`` ``(B, P)``, ``delta``
     ``(B,)``; returns ``(K, B)``."""
     c, d = c.abs(), d.abs().expand_as(c)
-    lam_p = torch.where(d > 0, c / (2 * d.clamp_min(1e-300)), torch.inf)
+    lam_p = torch.where(d > 0, c / (2 * _floor(d)), torch.inf)
     lam_p = torch.where(c > 0, lam_p, 0.0)  # c = 0: never active
     lam_p, order = lam_p.sort(dim=-1, descending=True)
     c, d = c.gather(-1, order), d.gather(-1, order)
@@ -65,8 +79,7 @@ def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
     hi = torch.nn.functional.pad(lam_p, (1, 0), value=torch.inf)  # λ_(i)
     lo = torch.nn.functional.pad(lam_p, (0, 1), value=0.0)  # λ_(i+1)
     d2 = (delta**2)[:, None]  # (B, 1)
-    lam = (S2 / (2 * d2.clamp_min(1e-300))).sqrt().clamp(min=lo, max=hi)
-    lam = lam.clamp_min(1e-300)
+    lam = _floor(_root(S2 / (2 * _floor(d2))).clamp(min=lo, max=hi))
     F = lam * d2 + S2 / (2 * lam) - S1
     F = F + 1e-12 * (lam * d2 + S2 / (2 * lam) + S1)  # the subtraction's rounding
     best = F.amin(dim=-1)
@@ -161,21 +174,21 @@ def coupled_maxmin_remainder(z: Tensor, g: Tensor, gram: Tensor, grad_norm: Tens
     c = torch.where(lose, c.abs(), 0.0)
     moving = grad_norm > 0
     fixed = (c * (-e).clamp_min(0.0)).where(~moving, 0.0).sum(dim=-1)  # ∇_p = 0
-    g2 = grad_norm.square().clamp_min(1e-300)
-    lam0 = (c.square() * g2).sum(dim=-1).sqrt() / (2 * delta).clamp_min(
-        1e-300)  # (K, B): the orthogonal case's optimum
+    g2 = _floor(grad_norm.square())
+    lam0 = _root((c.square() * g2).sum(dim=-1)) / _floor(
+        2 * delta)  # (K, B): the orthogonal case's optimum
     best = torch.full_like(lam0, torch.inf)
     for k in range(-6, 7):
         lam = lam0 * 2 ** (k / 2)
         alpha = lam[..., None] / g2  # (K, B, P)
-        alpha = torch.where(e > 0, torch.minimum(alpha, c / (4 * e.clamp_min(1e-300))),
+        alpha = torch.where(e > 0, torch.minimum(alpha, c / (4 * _floor(e))),
                             alpha)
         alpha = torch.where(lose & moving, alpha, 0.0)
         on = alpha > 0
-        quad = c.square() / (4 * alpha.clamp_min(1e-300))
+        quad = c.square() / (4 * _floor(alpha))
         lin = quad - c * e + 1e-12 * (quad + c * e.abs())  # the subtraction's rounding
         lin = torch.where(on, lin.clamp_min(0.0), 0.0).sum(dim=-1)
-        root = alpha.sqrt()
+        root = _root(alpha)
         M = root[..., :, None] * gram[None] * root[..., None, :]  # (K, B, P, P)
         top = torch.linalg.eigvalsh(M)[..., -1]
         top = top + 1e-10 * M.diagonal(dim1=-2, dim2=-1).sum(dim=-1)
@@ -289,7 +302,7 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     eta = torch.maximum(P_bar - P0, P0 - P0 * (-2 * Delta)[..., None].exp())
     P2 = P0.norm(dim=-1, keepdim=True)  # (B, H, 1) ‖P_h‖₂
     ad = a_norm * dl  # (B, H, 1)
-    psi = torch.where(dl > 0, torch.expm1(ad) / dl.clamp_min(1e-300), a_norm)
+    psi = torch.where(dl > 0, torch.expm1(ad) / _floor(dl), a_norm)
     alpha = (ad * P2).exp() * psi * P0  # (B, H, N)
     beta = alpha * P2 * dl
 
@@ -301,7 +314,7 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     values = torch.minimum((eta * w_norm).sum(dim=-2).norm(dim=-1),
                            tokens(alpha * w_norm, beta * w_norm))
     P_bar2 = torch.minimum(P_bar.norm(dim=-1, keepdim=True),
-                           P_bar.amax(dim=-1, keepdim=True).sqrt()).clamp(max=1.0)
+                           _root(P_bar.amax(dim=-1, keepdim=True))).clamp(max=1.0)
     d_phi = w_norm * dl * P_bar2 + torch.minimum(
         (eta * dev).sum(dim=-1, keepdim=True),
         dl * (alpha * dev).norm(dim=-1, keepdim=True)
@@ -314,7 +327,7 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     G = _token_gradient(P0, w, f, phi, a)  # (K, B, N, D)
     G_norm = G.norm(dim=-1)  # (K, B, N)
     cross, kappa = projection_turn(X, delta, radius)
-    project = ((G_norm**2 * cross.to(G.dtype)).sum(dim=-1).sqrt()
+    project = (_root((G_norm**2 * cross.to(G.dtype)).sum(dim=-1))
                + delta * (kappa * G_norm).amax(dim=-1))
     return values + soft + project
 
@@ -386,13 +399,15 @@ def _split_curvature(p: Tensor, E: Tensor, C_a: Tensor, squares: tuple[Tensor, .
     C1 = (p * (G_aa @ p)).sum(dim=-2)  # (B, N)
     C2, C3 = (p * G_aa_Ep).sum(dim=-2), (Ep * G_aa_Ep).sum(dim=-2)
     mu_nu, mu_lam = nu.amax(dim=-1), lam.amax(dim=-1)  # (K, B), (B,)
-    tau0 = (mu_lam / mu_nu.clamp_min(1e-300)).sqrt().clamp(1e-150, 1e150)[..., None]
-    best = 2 * (mu_nu * mu_lam).sqrt() + _schur(C_a, Ep).amax(dim=-1)  # (11.9)
+    small = torch.finfo(mu_nu.dtype).eps  # any τ > 0 is sound; τ² stays finite
+    tau0 = _root(mu_lam / _floor(mu_nu)).clamp(small, 1 / small)[..., None]
+    best = 2 * _root(mu_nu * mu_lam) + _schur(C_a, Ep).amax(dim=-1)  # (11.9)
     for f in SPLITS:
         tau = tau0 * f  # (K, B, 1)
         nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ Σ P ν² + Σ P λ²/τ
         frobenius = (nu_coef**2 * A + 2 * nu_coef * (lam_coef * B1 + B2)
-                     + lam_coef**2 * C1 + 2 * lam_coef * C2 + C3).sqrt()
+                     + lam_coef**2 * C1 + 2 * lam_coef * C2 + C3)
+        frobenius = _root(frobenius)
         best = torch.minimum(best, frobenius.amax(dim=-1) * (1 + 1e-12))
     return best
 
@@ -422,7 +437,7 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
         Delta_s = torch.minimum(Delta, a_norm * s[:, None])  # ‖a_h‖ min(s, 2R)
         eta = torch.maximum(P_bar - P0, P0 * -torch.expm1(-2 * Delta_s)[..., None])
         P_bar2 = torch.minimum(P_bar.norm(dim=-1),
-                               P_bar.amax(dim=-1).sqrt()).clamp(max=1.0)  # (B, H)
+                               _root(P_bar.amax(dim=-1))).clamp(max=1.0)  # (B, H)
         d_phi = (w_norm * s[:, None] * P_bar2
                  + (eta * dev).sum(dim=-1))  # (K, B, H) ≥ |f̄ − φ_h|
         E = torch.minimum(dev.amax(dim=-1) + w_norm * s[:, None] + d_phi,

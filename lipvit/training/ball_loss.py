@@ -62,11 +62,17 @@ class BallLoss:
         chain = proven_chain(self.model, capped=True)
         L = ball_constant(chain, self._inputs, eps, exact=False)  # (B,)
         self.clear()
-        W = self.model.head.weight
-        pair = pair_constants(W, W.new_ones(()), y)  # (B, C): ‖w_y − w_j‖
-        raised = logits / L[:, None] + eps * pair
+        raised = self._raise(logits, x, y, eps, L)
         self.last = {"certified": (raised.argmax(dim=1) == y).detach()}
         return raised
+
+    def _raise(self, logits: Tensor, x: Tensor, y: Tensor, eps: float, L: Tensor
+               ) -> Tensor:
+        """``ball``'s raised logits ``f / L + ε ‖w_y − w_j‖`` ``(B, classes)``
+        (at ``y`` ``f_y / L``), ``L`` ``(B,)`` its constant on the batch."""
+        W = self.model.head.weight
+        pair = pair_constants(W, W.new_ones(()), y)  # (B, C): ‖w_y − w_j‖
+        return logits / L[:, None] + eps * pair
 
     def certified(self) -> Tensor:
         """``(B,)`` bool: the points of the last :meth:`raised_logits` that

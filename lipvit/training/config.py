@@ -70,6 +70,10 @@ class TrainConfig:
         cert_mix: ``κ``, the certified loss's share: the cross-entropy is
             ``(1 − κ) CE(f(x)) + κ CE(raised logits)`` (1: the certified loss
             alone).
+        cert_margin: CaiT only: how many images of each batch the
+            ``cert_eps`` loss bounds by ``margin`` (differentiably,
+            :mod:`lipvit.training.margin_loss`; about 0.17 s an image on two
+            CPU threads); the rest by ``ball``. 0: ``ball`` alone.
         noise_sd: ``σ`` of the Gaussian noise added to every training image
             (pixels in ``[0, 1]``, no clipping), after augmentation and PGD:
             training for randomized smoothing (Cohen, Rosenfeld & Kolter 2019,
@@ -107,6 +111,7 @@ class TrainConfig:
     cert_warmup: float = 0.25
     cert_stream: float = 0.25
     cert_mix: float = 1.0
+    cert_margin: int = 0
     noise_sd: float = 0.0
     augment: bool = True
     seed: int = 0
@@ -119,6 +124,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (not isinstance(self.cert_margin, int) or isinstance(self.cert_margin, bool)
+                or self.cert_margin < 0):
+            raise ValueError(
+                f"cert_margin must be an integer >= 0, got {self.cert_margin!r}")
         if not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(f"threads must be an integer >= 0, got {self.threads!r}")
         if (
@@ -269,7 +278,13 @@ def _check_arch(model_cfg: ViTConfig, cfg: TrainConfig) -> None:
     for: MSVP (their attention's constants are part of the certificate) and
     the ReLU-stability penalty (it acts on SLL layers); and, for the hybrid,
     ``cert_eps`` (its margin is its training for the certificate; CaiT's
-    ``cert_eps`` trains for ``ball``, :mod:`lipvit.training.ball_loss`)."""
+    ``cert_eps`` trains for ``ball``, :mod:`lipvit.training.ball_loss`, or on
+    ``cert_margin`` images of each batch for ``margin``,
+    :mod:`lipvit.training.margin_loss`); ``cert_margin`` on anything but a
+    CaiT trained with ``cert_eps``."""
+    if cfg.cert_margin > 0 and (model_cfg.arch != "cait" or cfg.cert_eps <= 0):
+        raise LipvitError("--cert-margin bounds a CaiT's --cert-eps loss by margin: "
+                          "give it with --cert-eps > 0 to a CaiT (arch 'cait')")
     if model_cfg.arch == "vit":
         return
     given = [name for name, on in (("--msvp", any(cfg.msvp)),

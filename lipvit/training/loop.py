@@ -30,6 +30,7 @@ from lipvit.training.ball_loss import BallLoss
 from lipvit.training.config import TrainConfig, _check_arch
 from lipvit.training.device import _deterministic, _distributed, autocast_for
 from lipvit.training.losses import margin_cross_entropy
+from lipvit.training.margin_loss import MarginLoss
 from lipvit.training.metrics import evaluate, sigma_summary
 from lipvit.training.optim import _param_groups, lr_at
 from lipvit.training.resume import _restore, _rng_state
@@ -249,8 +250,11 @@ def _train(
     )
     cert = None
     if cfg.cert_eps > 0:
-        cert = (BallLoss(model) if model_cfg.arch == "cait"
-                else CertifiedLoss(model, cfg.cert_stream))
+        if model_cfg.arch != "cait":
+            cert = CertifiedLoss(model, cfg.cert_stream)
+        else:
+            cert = MarginLoss(model, cfg.cert_margin) if cfg.cert_margin else BallLoss(
+                model)
     groups = _param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
