@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from lipvit.certify.ball.network import ball_constant
+from lipvit.certify.certification import ROUNDING
 from lipvit.certify.follow.network import margin_certificate
 from lipvit.certify.global_bound import proven_chain
 
@@ -34,22 +35,27 @@ def _loss_drops(model, x, y, eps, points):
 
 
 @pytest.mark.parametrize("eps", [0.05, 0.2])
-def test_raised_logits_are_the_certificates_drops(trained_cait, digits, eps):
+def test_raised_logits_are_margins_drops(trained_cait, digits, eps):
     """Float64: each wrong class of the first ``points`` images is raised by
-    ``margin``'s own drop bound (the certificate, computed without gradients),
-    the rest of the batch by ``ball``'s."""
+    ``margin``'s drop bound in training's cheaper forms: never below the
+    certificate's (computed without gradients), never above training's
+    ``ball``; the rest of the batch by ``ball``'s."""
     model = copy.deepcopy(trained_cait)
     x, y = digits.x_test[:10].double(), digits.y_test[:10]
     drops, raised, logits, L = _loss_drops(model, x, y, eps, points=6)
     with torch.no_grad():
-        own, ball = margin_certificate(model, x[:6], y[:6]).drops(
+        own, _ = margin_certificate(model, x[:6], y[:6]).drops(
             torch.full((6,), eps, dtype=x.dtype))
     wrong = torch.ones_like(own, dtype=torch.bool).scatter(1, y[:6, None], False)
-    assert torch.allclose(drops[wrong], own[wrong], rtol=1e-9, atol=1e-12)
+    pair = (model.head.weight[y][:, None] - model.head.weight[None]).norm(dim=-1)
+    trained_ball = eps * L[:, None] * pair  # training's ball drop
+    assert torch.all(drops[wrong] >= own[wrong] * (1 - 1e-9))
+    assert torch.all(drops[wrong] <= trained_ball[:6][wrong] * (1 + 4 * ROUNDING))
     assert torch.all(drops[~wrong].abs() < 1e-12)
-    assert torch.all(own[wrong] <= ball[wrong])  # never above ball's
-    pair = (model.head.weight[y[6:]][:, None] - model.head.weight[None]).norm(dim=-1)
-    assert torch.allclose(raised[6:], logits[6:] / L[6:, None] + eps * pair,
+    # Where training's chain equals the certificate's, so do the drops: here
+    # some margin is below ball's, so margin's own terms are read.
+    assert torch.any(drops[wrong] < trained_ball[:6][wrong] * (1 - 1e-3))
+    assert torch.allclose(raised[6:], logits[6:] / L[6:, None] + eps * pair[6:],
                           rtol=1e-6)
 
 

@@ -117,9 +117,10 @@ class MarginCertificate:
         targets: the wrong classes to bound, ``(B, K)`` (default: every class;
             ``y``'s own margin is ``+inf``).
         differentiable: keep the drops differentiable in the model's weights
-            (training, :mod:`lipvit.training.margin_loss`); the operator norms
-            the bounds read (the stem's, ``‖W₁‖``, ``‖W_a − W_b‖``) enter as
-            constants of the current weights.
+            (training, :mod:`lipvit.training.margin_loss`): ``ball``'s chain
+            then takes its cheaper bounds (``exact=False``, never smaller),
+            and the operator norms the bounds read (the stem's, ``‖W₁‖``,
+            ``‖W_a − W_b‖``) enter as constants of the current weights.
     """
 
     def __init__(self, chain: Chain, model: nn.Module, x: Tensor, y: Tensor, *,
@@ -278,7 +279,8 @@ class MarginCertificate:
         and cut (:meth:`_terms`) and ``ball``'s drop ``ε L(x, ε) ‖w_y − w_j‖``
         ``(K, B)``."""
         with torch.set_grad_enabled(self.differentiable):
-            bc = ball_chain(self.chain, self.inputs, eps)
+            # Training reads ball's cheaper bounds (never smaller).
+            bc = ball_chain(self.chain, self.inputs, eps, exact=not self.differentiable)
             rest, cuts = self._terms(eps, bc)
             ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
             return eps * self.gx_norm, rest, cuts, ball.mT

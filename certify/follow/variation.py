@@ -43,18 +43,18 @@ from lipvit.spectral import spectral_norm
 GAP_SLACK = 1e-12
 
 
-def _floor(x: Tensor) -> Tensor:
-    """``x`` raised to at least the smallest positive normal number of its
-    dtype: a divisor that is never 0 (float32 in training as well as
-    float64)."""
-    return x.clamp_min(torch.finfo(x.dtype).tiny)
+def _unit(x: Tensor, used: Tensor) -> Tensor:
+    """``x`` where ``used``, 1 elsewhere: a divisor whose quotient is
+    discarded where it is not used stays finite there, and so do the
+    gradients (training differentiates the bounds,
+    :mod:`lipvit.training.margin_loss`)."""
+    return torch.where(used, x, torch.ones_like(x))
 
 
 def _root(x: Tensor) -> Tensor:
-    """``√x`` of ``x ≥ 0`` from :func:`_floor`: the same value to within
-    ``√tiny``, and a gradient that is finite at 0 (training differentiates
-    the bounds, :mod:`lipvit.training.margin_loss`)."""
-    return _floor(x).sqrt()
+    """``√x`` of ``x ≥ 0``, raised to at least ``√tiny`` of its dtype: the
+    same value to within that, and a gradient that is finite at 0."""
+    return x.clamp_min(torch.finfo(x.dtype).tiny).sqrt()
 
 
 def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
@@ -70,7 +70,7 @@ def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
     value a valid bound. ``c`` ``(K, B, P)``, ``d`` ``(B, P)``, ``delta``
     ``(B,)``; returns ``(K, B)``."""
     c, d = c.abs(), d.abs().expand_as(c)
-    lam_p = torch.where(d > 0, c / (2 * _floor(d)), torch.inf)
+    lam_p = torch.where(d > 0, c / (2 * _unit(d, d > 0)), torch.inf)
     lam_p = torch.where(c > 0, lam_p, 0.0)  # c = 0: never active
     lam_p, order = lam_p.sort(dim=-1, descending=True)
     c, d = c.gather(-1, order), d.gather(-1, order)
@@ -79,10 +79,12 @@ def pair_remainder(c: Tensor, d: Tensor, delta: Tensor) -> Tensor:
     hi = torch.nn.functional.pad(lam_p, (1, 0), value=torch.inf)  # λ_(i)
     lo = torch.nn.functional.pad(lam_p, (0, 1), value=0.0)  # λ_(i+1)
     d2 = (delta**2)[:, None]  # (B, 1)
-    lam = _floor(_root(S2 / (2 * _floor(d2))).clamp(min=lo, max=hi))
+    lam = _root(S2 / (2 * _unit(d2, d2 > 0))).clamp(min=lo, max=hi)
+    used = lam > 0  # a piece with λ_(i) = 0 holds no λ > 0
+    lam = _unit(lam, used)
     F = lam * d2 + S2 / (2 * lam) - S1
     F = F + 1e-12 * (lam * d2 + S2 / (2 * lam) + S1)  # the subtraction's rounding
-    best = F.amin(dim=-1)
+    best = torch.where(used, F, torch.inf).amin(dim=-1)
     return torch.where(delta > 0, best, torch.zeros_like(best)).clamp_min(0.0)
 
 
@@ -174,18 +176,18 @@ def coupled_maxmin_remainder(z: Tensor, g: Tensor, gram: Tensor, grad_norm: Tens
     c = torch.where(lose, c.abs(), 0.0)
     moving = grad_norm > 0
     fixed = (c * (-e).clamp_min(0.0)).where(~moving, 0.0).sum(dim=-1)  # ∇_p = 0
-    g2 = _floor(grad_norm.square())
-    lam0 = _root((c.square() * g2).sum(dim=-1)) / _floor(
-        2 * delta)  # (K, B): the orthogonal case's optimum
+    g2 = _unit(grad_norm.square(), moving)
+    lam0 = _root((c.square() * g2).sum(dim=-1)) / _unit(
+        2 * delta, delta > 0)  # (K, B): the orthogonal case's optimum
     best = torch.full_like(lam0, torch.inf)
     for k in range(-6, 7):
         lam = lam0 * 2 ** (k / 2)
         alpha = lam[..., None] / g2  # (K, B, P)
-        alpha = torch.where(e > 0, torch.minimum(alpha, c / (4 * _floor(e))),
+        alpha = torch.where(e > 0, torch.minimum(alpha, c / (4 * _unit(e, e > 0))),
                             alpha)
         alpha = torch.where(lose & moving, alpha, 0.0)
         on = alpha > 0
-        quad = c.square() / (4 * _floor(alpha))
+        quad = c.square() / (4 * _unit(alpha, on))
         lin = quad - c * e + 1e-12 * (quad + c * e.abs())  # the subtraction's rounding
         lin = torch.where(on, lin.clamp_min(0.0), 0.0).sum(dim=-1)
         root = _root(alpha)
@@ -302,7 +304,7 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     eta = torch.maximum(P_bar - P0, P0 - P0 * (-2 * Delta)[..., None].exp())
     P2 = P0.norm(dim=-1, keepdim=True)  # (B, H, 1) ‖P_h‖₂
     ad = a_norm * dl  # (B, H, 1)
-    psi = torch.where(dl > 0, torch.expm1(ad) / _floor(dl), a_norm)
+    psi = torch.where(dl > 0, torch.expm1(ad) / _unit(dl, dl > 0), a_norm)
     alpha = (ad * P2).exp() * psi * P0  # (B, H, N)
     beta = alpha * P2 * dl
 
@@ -400,7 +402,7 @@ def _split_curvature(p: Tensor, E: Tensor, C_a: Tensor, squares: tuple[Tensor, .
     C2, C3 = (p * G_aa_Ep).sum(dim=-2), (Ep * G_aa_Ep).sum(dim=-2)
     mu_nu, mu_lam = nu.amax(dim=-1), lam.amax(dim=-1)  # (K, B), (B,)
     small = torch.finfo(mu_nu.dtype).eps  # any τ > 0 is sound; τ² stays finite
-    tau0 = _root(mu_lam / _floor(mu_nu)).clamp(small, 1 / small)[..., None]
+    tau0 = _root(mu_lam / _unit(mu_nu, mu_nu > 0)).clamp(small, 1 / small)[..., None]
     best = 2 * _root(mu_nu * mu_lam) + _schur(C_a, Ep).amax(dim=-1)  # (11.9)
     for f in SPLITS:
         tau = tau0 * f  # (K, B, 1)

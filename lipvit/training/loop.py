@@ -48,7 +48,7 @@ def train_step(
     msvp: MSVP | None = None,
     *,
     stability: ReLUStability | None = None,
-    cert: CertifiedLoss | BallLoss | None = None,
+    cert: CertifiedLoss | BallLoss | MarginLoss | None = None,
     cert_eps: float = 0.0,
     net: nn.Module | None = None,
     generator: torch.Generator | None = None,
@@ -117,6 +117,12 @@ def train_step(
         else:
             penalty = torch.zeros((), device=x.device)
             objective.backward()
+    if isinstance(cert, MarginLoss) and certifying and not all(
+            torch.isfinite(p.grad).all() for p in model.parameters()
+            if p.grad is not None):
+        cert.skipped += 1  # a degenerate case of the bound's gradient: no step
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach(), penalty.detach(), logits.detach()
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
@@ -387,6 +393,9 @@ def _train(
                 dataset=data,
             )
         emit(record.line(cfg.epochs))
+        if isinstance(cert, MarginLoss) and cert.skipped:
+            emit(f"  {cert.skipped} steps skipped so far: the margin bound's "
+                 "gradient was not finite")
 
     if stability is not None:
         stability.remove()

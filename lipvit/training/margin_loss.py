@@ -11,13 +11,16 @@ constant ``L``, each wrong class raised by its drop bound:
     f̃_j = (f_j + D_j) / L   (j ≠ y),   f̃_y = f_y / L,
 
 so ``f̃_y > f̃_j`` for every ``j`` is ``margin``'s certificate. ``D`` is the
-certificate itself, computed differentiably in the training precision
-(double backpropagation through the margins' gradients at every site), on the
-first ``points`` images of each batch (about 0.17 s an image on the
-Fashion-MNIST CaiT, two CPU threads, float32, forward and backward); the
-rest of the batch sees ``ball``'s raised logits. The operator norms the bound
-reads (the stem's, ``‖W₁‖``, ``‖W_a − W_b‖``) enter as constants of the
-current weights: their gradients are not followed.
+certificate's bound computed differentiably in the training precision
+(double backpropagation through the margins' gradients at every site), with
+the cheaper forms training reads for ``ball`` (the capped maps at their caps,
+``exact=False``: never smaller), on the first ``points`` images of each batch
+(about 0.17 s an image on the Fashion-MNIST CaiT, two CPU threads, float32,
+forward and backward); the rest of the batch sees ``ball``'s raised logits.
+The operator norms the bound reads (the stem's, ``‖W₁‖``, ``‖W_a − W_b‖``)
+enter as constants of the current weights: their gradients are not followed.
+A step whose gradients are not finite (a degenerate case of the bound's
+derivative) is skipped by the training loop and counted in :attr:`skipped`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class MarginLoss(BallLoss):
     def __init__(self, model: nn.Module, points: int):
         super().__init__(model)
         self.points = points
+        self.skipped = 0  # steps the training loop skipped: gradients not finite
 
     def _raise(self, logits: Tensor, x: Tensor, y: Tensor, eps: float, L: Tensor
                ) -> Tensor:
@@ -49,8 +53,8 @@ class MarginLoss(BallLoss):
         y, classes = y[:n], logits.shape[1]
         every = torch.arange(classes, device=y.device).expand(n, classes)
         wrong = every[every != y[:, None]].view(n, classes - 1)  # (n, classes − 1)
-        cert = MarginCertificate(proven_chain(self.model), self.model, x[:n], y,
-                                 targets=wrong, differentiable=True)
+        cert = MarginCertificate(proven_chain(self.model, capped=True), self.model,
+                                 x[:n], y, targets=wrong, differentiable=True)
         self.clear()  # the certificate's own forward pass went through the hooks
         drop, _ = cert.drops(torch.full((n,), eps, dtype=x.dtype, device=x.device))
         drop = torch.zeros_like(logits[:n]).scatter(1, wrong, drop)  # none at y
