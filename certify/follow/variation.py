@@ -167,8 +167,9 @@ def coupled_maxmin_remainder(z: Tensor, g: Tensor, gram: Tensor, grad_norm: Tens
     ``λ`` of a grid gives ``α_p = λ/‖∇_p‖²`` (the choice that is optimal when the
     gradients are orthogonal), lowered to ``|c_p|/(4e_p)`` where that costs
     nothing; pairs out of reach (``δ‖∇_p‖ ≤ e_p``) and those that can only
-    raise the margin drop out; the least bound is kept. ``λ_max`` by
-    ``eigvalsh``, raised by ``10⁻¹⁰`` of the trace (its rounding)."""
+    raise the margin drop out; the least bound is kept (a ``λ`` whose matrix
+    leaves the dtype's range is skipped). ``λ_max`` by ``eigvalsh`` in
+    float64, raised by ``10⁻¹⁰`` of the trace (its rounding)."""
     c, gap = _pairs(z, g, dim)
     e = gap - rest  # (B, P): the gap left once the remainder has moved the pair
     grad_norm = grad_norm.expand_as(e)
@@ -192,10 +193,12 @@ def coupled_maxmin_remainder(z: Tensor, g: Tensor, gram: Tensor, grad_norm: Tens
         lin = torch.where(on, lin.clamp_min(0.0), 0.0).sum(dim=-1)
         root = _root(alpha)
         M = root[..., :, None] * gram[None] * root[..., None, :]  # (K, B, P, P)
-        top = torch.linalg.eigvalsh(M)[..., -1]
+        finite = torch.isfinite(M).all(dim=-1).all(dim=-1)  # (K, B): float32's range
+        M = torch.where(finite[..., None, None], M, 0.0)
+        top = torch.linalg.eigvalsh(M.double())[..., -1].to(M.dtype)
         top = top + 1e-10 * M.diagonal(dim1=-2, dim2=-1).sum(dim=-1)
         bound = delta**2 * top.clamp_min(0.0) + lin
-        best = torch.minimum(best, torch.where(lam > 0, bound, torch.inf))
+        best = torch.minimum(best, torch.where((lam > 0) & finite, bound, torch.inf))
     none = ~(lose & moving).any(dim=-1)  # no moving pair in reach
     return torch.where(none, 0.0, best) + fixed
 

@@ -58,4 +58,6 @@ class MarginLoss(BallLoss):
         self.clear()  # the certificate's own forward pass went through the hooks
         drop, _ = cert.drops(torch.full((n,), eps, dtype=x.dtype, device=x.device))
         drop = torch.zeros_like(logits[:n]).scatter(1, wrong, drop)  # none at y
-        return torch.cat([(logits[:n] + drop) / L[:n, None], raised[n:]])
+        own = (logits[:n] + drop) / L[:n, None]
+        finite = torch.isfinite(own).all(dim=1, keepdim=True)  # else ball's row
+        return torch.cat([torch.where(finite, own, raised[:n]), raised[n:]])
