@@ -16,6 +16,7 @@ from lipvit.certify.follow.network import margin_certificate
 from lipvit.certify.global_bound import proven_chain
 
 from lipvit.cli import main
+from lipvit.train import TrainConfig, train_step
 from lipvit.training.margin_loss import MarginLoss
 
 
@@ -85,3 +86,34 @@ def test_cli_trains_against_margin_and_refuses_it_elsewhere(tmp_path):
                                         str(tmp_path / "bad.pt")])
         assert bad.exit_code == 1, bad.output
         assert "--cert-margin" in bad.output.strip().splitlines()[-1]
+
+
+class _NonFinite(MarginLoss):
+    """A margin loss whose gradient is not finite (``√0`` of a weight's
+    zero multiple): what a degenerate case of the bound's derivative does."""
+
+    def _raise(self, logits, x, y, eps, L):
+        zero = (self.model.head.weight.sum() * 0.0).sqrt()
+        return super()._raise(logits, x, y, eps, L) + zero
+
+
+def test_a_step_with_non_finite_gradients_is_skipped(trained_cait, digits):
+    model = copy.deepcopy(trained_cait).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = TrainConfig(epochs=1, cert_eps=0.1, cert_margin=2, device="cpu")
+    x, y = digits.x_train[:8].float(), digits.y_train[:8]
+    cert, good = _NonFinite(model, 2), MarginLoss(model, 2)
+    try:
+        loss, _, _ = train_step(model, opt, x, y, cfg, cert=cert, cert_eps=0.1)
+        assert cert.skipped == 1 and math.isfinite(float(loss))
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(),
+                                                      strict=True))
+        cert.remove()
+        train_step(model, opt, x, y, cfg, cert=good, cert_eps=0.1)
+        assert good.skipped == 0
+        assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(),
+                                                          strict=True))
+    finally:
+        cert.remove()
+        good.remove()
