@@ -79,7 +79,7 @@ WEAKENINGS = {
         "P_bar = P0")]),
     "cov2": ("_split_curvature", [
         (SPLIT, "nu_coef, lam_coef = tau / 2, 1 / (2 * tau)"),
-        ("best = 2 * (mu_nu * mu_lam).sqrt()", "best = (mu_nu * mu_lam).sqrt()")]),
+        ("best = 2 * _root(mu_nu * mu_lam)", "best = _root(mu_nu * mu_lam)")]),
     "half": ("_curvature", [("C_a, C_w = a @ a.T, w @ w.mT",
                              "a = a / 2\n    C_a, C_w = a @ a.T, w @ w.mT")]),
     "third": ("_split_curvature", [("Ep = E[..., None] * p  # (K, B, H, N)",
