@@ -92,9 +92,9 @@ class _NonFinite(MarginLoss):
     """A margin loss whose gradient is not finite (``√0`` of a weight's
     zero multiple): what a degenerate case of the bound's derivative does."""
 
-    def _raise(self, logits, x, y, eps, L):
+    def _raise(self, logits, x, y, eps, L, chain):
         zero = (self.model.head.weight.sum() * 0.0).sqrt()
-        return super()._raise(logits, x, y, eps, L) + zero
+        return super()._raise(logits, x, y, eps, L, chain) + zero
 
 
 def test_a_step_with_non_finite_gradients_is_skipped(trained_cait, digits):

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lipvit.certify.ball.network import ball_constant
-from lipvit.certify.global_bound import pair_constants, proven_chain
+from lipvit.certify.global_bound import Chain, pair_constants, proven_chain
 from lipvit.lipschitz_blocks import attention_maps
 
 
@@ -62,14 +62,15 @@ class BallLoss:
         chain = proven_chain(self.model, capped=True)
         L = ball_constant(chain, self._inputs, eps, exact=False)  # (B,)
         self.clear()
-        raised = self._raise(logits, x, y, eps, L)
+        raised = self._raise(logits, x, y, eps, L, chain)
         self.last = {"certified": (raised.argmax(dim=1) == y).detach()}
         return raised
 
-    def _raise(self, logits: Tensor, x: Tensor, y: Tensor, eps: float, L: Tensor
-               ) -> Tensor:
+    def _raise(self, logits: Tensor, x: Tensor, y: Tensor, eps: float, L: Tensor,
+               chain: Chain) -> Tensor:
         """``ball``'s raised logits ``f / L + ε ‖w_y − w_j‖`` ``(B, classes)``
-        (at ``y`` ``f_y / L``), ``L`` ``(B,)`` its constant on the batch."""
+        (at ``y`` ``f_y / L``), ``L`` ``(B,)`` its constant on the batch from
+        ``chain`` (the capped :func:`proven_chain` of this step)."""
         W = self.model.head.weight
         pair = pair_constants(W, W.new_ones(()), y)  # (B, C): ‖w_y − w_j‖
         return logits / L[:, None] + eps * pair

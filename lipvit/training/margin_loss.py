@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lipvit.certify.follow.network import MarginCertificate
-from lipvit.certify.global_bound import proven_chain
+from lipvit.certify.global_bound import Chain
 
 from .ball_loss import BallLoss
 
@@ -44,17 +44,17 @@ class MarginLoss(BallLoss):
         self.points = points
         self.skipped = 0  # steps the training loop skipped: gradients not finite
 
-    def _raise(self, logits: Tensor, x: Tensor, y: Tensor, eps: float, L: Tensor
-               ) -> Tensor:
-        raised = super()._raise(logits, x, y, eps, L)
+    def _raise(self, logits: Tensor, x: Tensor, y: Tensor, eps: float, L: Tensor,
+               chain: Chain) -> Tensor:
+        raised = super()._raise(logits, x, y, eps, L, chain)
         n = min(self.points, y.shape[0])
         if n == 0 or eps <= 0:
             return raised
         y, classes = y[:n], logits.shape[1]
         every = torch.arange(classes, device=y.device).expand(n, classes)
         wrong = every[every != y[:, None]].view(n, classes - 1)  # (n, classes − 1)
-        cert = MarginCertificate(proven_chain(self.model, capped=True), self.model,
-                                 x[:n], y, targets=wrong, differentiable=True)
+        cert = MarginCertificate(chain, self.model, x[:n], y, targets=wrong,
+                                 differentiable=True)
         self.clear()  # the certificate's own forward pass went through the hooks
         drop, _ = cert.drops(torch.full((n,), eps, dtype=x.dtype, device=x.device))
         drop = torch.zeros_like(logits[:n]).scatter(1, wrong, drop)  # none at y
