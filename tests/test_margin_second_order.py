@@ -8,16 +8,18 @@ from :meth:`~lipvit.certify.follow.network.MarginCertificate._class_term`).
 
 Float64, seeds 0, 1, 2. Each bound is checked against the largest remainder
 found by projected gradient ascent from random points of the ball (and a
-constructed witness), and each weakened copy below against a configuration
+constructed witness) on the side it bounds (what lowers the margin, or a
+pair's gap), and each weakened copy below against a configuration
 built to make it bite, where the real bound holds and the copy falls below
 what the ascent finds, for every seed:
 
 - ``centre``: the attention taken at the centre of the ball only (``P̄ =
   P⁰``). Bites where one token's attention grows several-fold on the ball:
   uniform attention over 16 equal tokens, ``‖a‖ δ = 2``, the values read along
-  ``a`` (:func:`uniform`, ``‖a‖ = 10``, ``δ = 0.2``).
+  ``−a`` (:func:`uniform`, ``‖a‖ = 10``, ``δ = 0.2``).
 - ``cov2``: the factor 2 of the covariance term dropped (in the split
-  ``τ Σ P ν² + Σ P λ²/τ`` of eq. 11.9d and in (11.9)). Bites where that
+  ``τ_h Σ P ν² + Σ P λ²/τ_h`` of eq. 11.9d, one ``τ`` or each head's, and
+  in (11.9)). Bites where that
   term is all there is and nearly tight: the same uniform tokens with weak
   logits (``‖a‖ = 1``, ``δ = 0.05``): the values move with the logits,
   the third moment vanishes, ``P̄ ≈ P⁰``.
@@ -27,10 +29,13 @@ what the ascent finds, for every seed:
   stands apart from 15 others and its logit moves, the values read across
   ``a`` (:func:`apart`, ``‖a‖ = 8``, ``δ = 0.02``): the covariance is zero
   along the witness, the remainder is the third moment.
+- ``side``: the third moment read above the mean instead of below (the side
+  that lowers ``uᵀc``). Bites on the same configuration: the token whose
+  value stands apart lies below the others.
 - ``near``: each piece of the segment bounded by the attention at its near
   end instead of its far end (eq. 11.9c). Bites where one token's attention
   grows several-fold and the envelope is close to what it reaches: 256 equal
-  tokens, ``‖a‖ δ = 2``, the values read along ``a`` (:func:`crowded`).
+  tokens, ``‖a‖ δ = 2``, the values read along ``−a`` (:func:`crowded`).
 - ``projection``: the projection's remainder dropped. Bites on four equal
   tokens just inside the radius pushed across it
   (:func:`tests.test_margin_weakened.class_radius`).
@@ -72,18 +77,19 @@ from lipvit.lipschitz_blocks import ClassAttention
 SEEDS = (0, 1, 2)
 F64 = torch.float64
 
-SPLIT = "nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ Σ P ν² + Σ P λ²/τ"
+SPLIT = "nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ_h Σ P ν² + Σ P λ²/τ_h"
 WEAKENINGS = {
     "centre": ("_curvature", [(
         "P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)",
         "P_bar = P0")]),
     "cov2": ("_split_curvature", [
         (SPLIT, "nu_coef, lam_coef = tau / 2, 1 / (2 * tau)"),
-        ("best = 2 * _root(mu_nu * mu_lam)", "best = _root(mu_nu * mu_lam)")]),
+        ("2 * _root(mu_nu * mu_lam)", "_root(mu_nu * mu_lam)")]),
     "half": ("_curvature", [("C_a, C_w = a @ a.T, w @ w.mT",
                              "a = a / 2\n    C_a, C_w = a @ a.T, w @ w.mT")]),
-    "third": ("_split_curvature", [("Ep = E[..., None] * p  # (K, B, H, N)",
-                                    "Ep = 0 * E[..., None] * p")]),
+    "third": ("_curvature", [("third = E[..., None] * P_bar  # (K, B, H, N)",
+                              "third = 0 * E[..., None] * P_bar")]),
+    "side": ("_curvature", [("(phi - f).clamp_min(0.0)", "(f - phi).clamp_min(0.0)")]),
     "near": ("class_attention_remainder", [(
         "curvature(far * delta)", "curvature(near * delta)")]),
     "projection": ("class_attention_remainder", [(
@@ -113,8 +119,9 @@ def edited(name: str, identity: bool = False) -> Callable:
 
 
 def remainder_brute(case: Case, seed: int) -> float:
-    """The largest ``|uᵀ(c(X′) − c(X)) − ∇_X(uᵀc)(X) · (X′ − X)|`` found on the
-    ball (one margin)."""
+    """The largest ``−(uᵀ(c(X′) − c(X)) − ∇_X(uᵀc)(X) · (X′ − X))`` found on
+    the ball (one margin): what the remainder takes off ``uᵀc``, the side
+    the bound covers."""
     ca, X, (u,) = case.module, case.x0, case.u
 
     def f(x: Tensor) -> Tensor:
@@ -122,7 +129,7 @@ def remainder_brute(case: Case, seed: int) -> float:
 
     G0, f0 = grad(f)(X), f(X)
     witnesses = () if case.witness is None else (case.witness,)
-    return ascended(lambda x: (f(x) - f0 - (G0 * (x - X)).sum()).abs(), X,
+    return ascended(lambda x: -(f(x) - f0 - (G0 * (x - X)).sum()), X,
                     case.delta, seed, witnesses, n=16, steps=30)
 
 
@@ -130,8 +137,9 @@ def one_head(seed: int, a_norm: float, delta: float, X_of: Callable, along_a: bo
              tokens: int = 16) -> Case:
     """One head (key width 1, value width 8, orthogonal ``W_v``) over
     ``tokens`` (a square) tokens, no positional bias, content vector ``a_norm
-    â``; tokens ``X_of(e)`` with ``e ⊥ â``; ``u`` reads the values along ``â``
-    (``along_a``) or ``e``; the witness moves token 0 by ``δ â``."""
+    â``; tokens ``X_of(e)`` with ``e ⊥ â``; ``u`` reads the values along
+    ``−â`` (``along_a``) or ``−e``, the side where the remainder lowers
+    ``uᵀc``; the witness moves token 0 by ``δ â``."""
     gen = torch.Generator().manual_seed(seed)
     a_hat = unit(gen)
     e = unit(gen, a_hat)
@@ -147,18 +155,18 @@ def one_head(seed: int, a_norm: float, delta: float, X_of: Callable, along_a: bo
     X = X_of(e)
     witness = X.clone()
     witness[0] += delta * a_hat
-    return Case(ca, X, delta, (W_v.T @ (a_hat if along_a else e))[None], witness)
+    return Case(ca, X, delta, -(W_v.T @ (a_hat if along_a else e))[None], witness)
 
 
 def uniform(seed: int, a_norm: float, delta: float) -> Case:
     """16 equal tokens ``0.5 e`` (uniform attention, equal values), ``u``
-    along ``a``: the covariance term carries the remainder."""
+    along ``−a``: the covariance term carries the remainder."""
     return one_head(seed, a_norm, delta, lambda e: (0.5 * e).expand(16, 8).clone(),
                     along_a=True)
 
 
 def crowded(seed: int) -> Case:
-    """256 equal tokens ``0.5 e``, ``u`` along ``a`` (``‖a‖ = 10``, ``δ = 0.2``):
+    """256 equal tokens ``0.5 e``, ``u`` along ``−a`` (``‖a‖ = 10``, ``δ = 0.2``):
     one token's attention grows ``e^{‖a‖δ} ≈ 7``-fold over the segment, the
     envelope of each piece close to what it reaches."""
     return one_head(seed, 10.0, 0.2, lambda e: (0.5 * e).expand(256, 8).clone(),
@@ -167,9 +175,9 @@ def crowded(seed: int) -> Case:
 
 def apart(seed: int) -> Case:
     """Token 0 at ``0.5 e``, the 15 others at ``−0.5 e`` (uniform attention),
-    ``u`` along ``e`` (``‖a‖ = 8``, ``δ = 0.02``): moving token 0 along ``â``
+    ``u`` along ``−e`` (``‖a‖ = 8``, ``δ = 0.02``): moving token 0 along ``â``
     changes only its logit, and the pooled value's remainder is the third
-    moment."""
+    moment, read below the mean (token 0's value ``−0.5`` along ``u``)."""
     def tokens(e: Tensor) -> Tensor:
         X = (-0.5 * e).expand(16, 8).clone()
         X[0] = 0.5 * e
@@ -183,6 +191,7 @@ CONFIGURATIONS = {
     "cov2": lambda seed: uniform(seed, 1.0, 0.05),
     "half": lambda seed: uniform(seed, 1.0, 0.05),
     "third": apart,
+    "side": apart,
     "near": crowded,
     "projection": class_radius,
 }
@@ -303,32 +312,34 @@ def test_capped_maxmin_remainder_bounds_every_point_and_is_reached(seed):
 @pytest.mark.parametrize(("scale", "eps"), [(3.0, 0.3), (10.0, 0.1)])
 def test_pair_moves_bound_the_class_tokens_pair_differences(seed, scale, eps):
     """On a tiny CaiT whose class attention's queries are ``scale`` times
-    larger: every head-MaxMin pair difference ``v_p · c`` moves, over the ball
-    of class attention's input that ``ball`` gives, by no more than its
-    first-order part ``δ ‖∇_X(v_p · c)‖`` plus the remainder of
+    larger: every head-MaxMin pair difference ``d_p = v_p · c`` moves towards
+    0 (either way where it is 0), over the ball of class attention's input
+    that ``ball`` gives, by no more than its first-order part ``δ
+    ‖∇_X(v_p · c)‖`` plus the remainder of
     :meth:`MarginCertificate._class_term`, and by more than the first-order
     part somewhere (the remainder is needed)."""
     torch.manual_seed(seed)
     model = LipschitzCaiT(cait_config(8)).double().eval()
     with torch.no_grad():
         model.cls_attn.query.mul_(scale)
-    x = torch.rand(2, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
-    mc = margin_certificate(model, x, torch.zeros(2, dtype=torch.long))
-    e = torch.full((2,), eps, dtype=F64)
+    x = torch.rand(8, 1, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    mc = margin_certificate(model, x, torch.zeros(8, dtype=torch.long))
+    e = torch.full((8,), eps, dtype=F64)
     site = next(s for s in mc.sites if isinstance(s.module, ClassAttention))
     with torch.no_grad():
         delta = e * ball_chain(mc.chain, mc.inputs, e).L_in[-1]
         _, pair_rest = mc._class_term(site, delta)  # (P, B)
-        v, grad_norm, _ = mc._pairs
+        v, grad_norm, _, side = mc._pairs
         first = delta * grad_norm
         moves = first + pair_rest
     ca, beyond = model.cls_attn, False
-    for b in range(2):
+    for b in range(8):
         X = mc.inputs[-1][b]
         c0 = ca(X[None])[0].detach()
         for p in range(v.shape[0]):
-            def move(t: Tensor, p=p, c0=c0) -> Tensor:
-                return (v[p] * (ca(t[None])[0] - c0)).sum().abs()
+            def move(t: Tensor, p=p, b=b, c0=c0) -> Tensor:
+                shift = (v[p] * (ca(t[None])[0] - c0)).sum()
+                return shift.abs() if side[p, b] == 0 else -side[p, b] * shift
 
             found = ascended(move, X, float(delta[b]), seed, n=8, steps=20)
             assert found <= float(moves[p, b]), (b, p, found, float(moves[p, b]))

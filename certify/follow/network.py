@@ -44,6 +44,7 @@ from ..ball.network import BallChain, ball_chain
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
 from .variation import (
+    GAP_SLACK,
     capped_maxmin_remainder,
     class_attention_remainder,
     class_attention_variation,
@@ -158,11 +159,15 @@ class MarginCertificate:
                     zero = torch.zeros_like(t[:, 0, 0])
                     self._soft0[k] = self._self_ball(k, t, zero).soft
 
-    def _pair_directions(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _pair_directions(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """A CaiT's head MaxMin's pair differences read off the class token, ``v_p =
         W₁[p] − W₁[p + P]`` ``(P, H·d_v)``, ``‖∇_X (v_p · c)‖`` ``(P, B)`` at
-        class attention's clean input ``X`` (eq. 11.11) and their Gram matrix
-        ``∇_X (v_p · c) · ∇_X (v_q · c)`` ``(B, P, P)`` (eq. 11.12)."""
+        class attention's clean input ``X`` (eq. 11.11), their Gram matrix
+        ``∇_X (v_p · c) · ∇_X (v_q · c)`` ``(B, P, P)`` (eq. 11.12) and the
+        sign of each pair's difference ``d_p`` at the point ``(P, B)``, 0
+        where its float error could flip it: a pair lowers the margin only
+        where ``|d_p|`` shrinks, so its remainder is needed on one side
+        (both where 0)."""
         W1 = self.model.head_hidden.weight  # (2P, H·d_v)
         a, b = W1.chunk(2, dim=0)
         v = a - b
@@ -176,7 +181,12 @@ class MarginCertificate:
                 create_graph=self.differentiable)
         grad = grad.flatten(2)  # (P, B, N·D)
         gram = torch.einsum("pbi,qbi->bpq", grad, grad)
-        return v, grad.norm(dim=-1) * (1 + 1e-12), gram
+        with torch.no_grad():
+            z_a, z_b = self.model.head_hidden(c).chunk(2, dim=-1)  # (B, P) each
+            d = z_a - z_b
+            sure = d.abs() > GAP_SLACK * (z_a.abs() + z_b.abs())
+            side = torch.where(sure, d.sign(), torch.zeros_like(d)).mT  # (P, B)
+        return v, grad.norm(dim=-1) * (1 + 1e-12), gram, side
 
     def _self_ball(self, k: int, t: Tensor, delta: Tensor):
         attn = self.chain.maps[k]
@@ -185,14 +195,15 @@ class MarginCertificate:
                          attn.radius)
 
     def _class_term(self, site: Site, delta: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Class attention's ``|uᵀ r|`` ``(K, B)`` on the ball of radius
+        """Class attention's ``−uᵀ r`` ``(K, B)`` on the ball of radius
         ``delta`` ``(B,)`` around its input, the smaller of (11.5)·δ (capped by
         ``‖u‖`` times twice the map's constant on the ball) and (11.9)–(11.10);
         and, on a CaiT whose head reads the class token, each head pair's
-        remainder along ``v_p`` ``(P, B)``, (11.9)–(11.10): what ``Δ(v_p · c)``
-        adds to its first-order part ``∇_X(v_p · c) · ΔX`` (eq. 11.11;
-        ``None`` otherwise). One ball, and one second-order bound for the
-        margins and the pairs together."""
+        remainder along ``sign(d_p) v_p`` ``(P, B)`` (both signs where
+        ``d_p`` may be 0), (11.9)–(11.10): what ``Δ(v_p · c)`` adds to its
+        first-order part ``∇_X(v_p · c) · ΔX`` towards shrinking ``|d_p|`` (eq.
+        11.11; ``None`` otherwise). One ball, and one second-order bound for
+        the margins and the pairs together."""
         attn, norms, t = self.chain.maps[-1], self.chain.norms[-1], site.z
         K = site.g.shape[0]
         g_norm = site.g.flatten(2).norm(dim=-1)  # (K, B)
@@ -201,12 +212,14 @@ class MarginCertificate:
         V = class_attention_variation(t, delta, site.g, attn.a(), attn.value,
                                       ball.P0, ball.P_bar, ball.Delta, attn.radius)
         L_loc = sum(class_attention_paths(norms, ball.P_bar, ball.soft))  # (10.5)
-        u = site.g
+        u, both = site.g, torch.zeros_like(g_norm, dtype=torch.bool)
         if self._pairs is not None:
-            v = self._pairs[0][:, None].expand(-1, t.shape[0], -1)  # (P, B, H·d_v)
-            u = torch.cat([u, v])
+            # Along sign(d_p) v_p: what lowers |d_p| (both sides where d_p is 0).
+            side = self._pairs[3]  # (P, B)
+            v = self._pairs[0][:, None] * torch.where(side == 0, 1.0, side)[..., None]
+            u, both = torch.cat([u, v]), torch.cat([both, side == 0])
         second = class_attention_remainder(t, delta, u, attn.a(), attn.value, ball.P0,
-                                           ball.P_bar, ball.Delta, attn.radius)
+                                           ball.P_bar, ball.Delta, attn.radius, both)
         rest = torch.minimum(torch.minimum(V, 2 * g_norm * L_loc) * delta, second[:K])
         if self._pairs is None:
             return rest, None
@@ -256,7 +269,7 @@ class MarginCertificate:
                 r = maxmin_remainder(site.z, site.g,
                                      pair_radius(delta, delta, self.V[id(module)]), -1)
                 if pair_rest is not None:  # the class token's pairs (eq. 11.11–12)
-                    _, grad_norm, gram = self._pairs
+                    _, grad_norm, gram, _ = self._pairs
                     moves = (class_delta * grad_norm + pair_rest) * (1 + 1e-12)
                     r = torch.minimum(r, capped_maxmin_remainder(site.z, site.g,
                                                                  moves.mT, -1))

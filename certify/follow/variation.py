@@ -373,43 +373,42 @@ PIECES = 8
 by its value at the piece's far end (eq. 11.9c)."""
 
 SPLITS = tuple(2 ** (k / 2) for k in range(-4, 5))
-"""The factors of ``τ₀`` tried in the split ``2|Cov| ≤ τ Σ P ν² + Σ P λ²/τ``
+"""The factors of ``τ₀`` tried in the split ``2|Cov| ≤ τ_h Σ P ν² + Σ P λ²/τ_h``
 (eq. 11.9d); ``1`` makes the bound never weaker than (11.9)."""
 
+def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor, C_a: Tensor,
+                     squares: tuple[Tensor, ...], mu_nu: Tensor, mu_lam: Tensor,
+                     tau0: Tensor, best: Tensor) -> Tensor:
+    """Eq. (11.9d): a bound on ``max_j λ_max(M_j)`` ``(K, B)``, the least of
+    ``best``, (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` and the splits ``τ_h = τ α_hj /
+    p_hj`` over ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), where
 
-def _split_curvature(p: Tensor, E: Tensor, C_a: Tensor, squares: tuple[Tensor, ...],
-                     nu: Tensor, lam: Tensor) -> Tensor:
-    """Eq. (11.9d): a bound on ``max_j λ_max(M_j)`` ``(K, B)``, minimised over
-    the splits ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), where
+        M_j = Σ_h (τ α_hj w_h w_hᵀ + (β_hj/τ + third_hj) a_h a_hᵀ)
 
-        M_j = Σ_h p_hj (τ w_h w_hᵀ + (1/τ + E_h) a_h a_hᵀ)
-
-    (from ``2|Cov_P(ν, λ)| ≤ τ Σ_j P_j ν_j² + Σ_j P_j λ_j²/τ`` and the third
-    moment's ``E_h Σ_j P_j λ_j²``). ``M_j = Σ_i q_i c_i c_iᵀ`` over the ``2H``
-    vectors ``c = (w_h, a_h)`` with weights ``q = (τ p_hj, (1/τ + E_h) p_hj)
-    ≥ 0``, so ``λ_max(M_j)`` is at most its Frobenius norm ``(qᵀ (Γ ∘ Γ)
-    q)^{1/2}``, ``Γ`` the vectors' Gram matrix: a polynomial in ``τ`` and
-    ``1/τ`` whose coefficients are computed once; ``squares`` are the blocks
-    ``(w_h · w_h′)²``, ``(w_h · a_h′)²``, ``(a_h · a_h′)²`` of ``Γ ∘ Γ``,
-    ``(K, B, H, H)``, ``(K, B, H, H)``, ``(H, H)``, the same in every piece.
-    The result is also capped by (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` (``μ`` the
-    maxima of :func:`_schur`'s ``ν`` of ``w``, ``λ`` of ``a`` and of ``a``
-    weighted by ``E``). ``p`` ``(B, H, N)``, ``E`` ``(K, B, H)``, ``C_a``
-    ``(H, H)`` (``a aᵀ``), ``nu`` ``(K, B, N)``, ``lam`` ``(B, N)``."""
-    Ep = E[..., None] * p  # (K, B, H, N)
+    (from ``2|Cov_P(ν, λ)| ≤ τ_h Σ_j P_j ν_j² + Σ_j P_j λ_j²/τ_h`` head by
+    head, ``α = r p``, ``β = p / r`` for per-head ratios ``r > 0``, and the
+    third moment's weights ``third``). ``M_j = Σ_i q_i c_i c_iᵀ`` over the
+    ``2H`` vectors ``c = (w_h, a_h)`` with weights ``q ≥ 0``, so ``λ_max(M_j)``
+    is at most its Frobenius norm ``(qᵀ (Γ ∘ Γ) q)^{1/2}``, ``Γ`` the
+    vectors' Gram matrix: a polynomial in ``τ`` and ``1/τ`` whose
+    coefficients are computed once; ``squares`` are the blocks ``(w_h ·
+    w_h′)²``, ``(w_h · a_h′)²``, ``(a_h · a_h′)²`` of ``Γ ∘ Γ``, ``(K, B, H,
+    H)``, ``(K, B, H, H)``, ``(H, H)``. ``μ_ν, μ_λ`` ``(K, B)``, ``(B,)`` are
+    :func:`_schur`'s maxima of ``ν`` of ``w`` and ``λ`` of ``a``, ``μ_S`` that
+    of ``a`` weighted by ``third``. ``alpha, beta, third`` ``(…, H, N)``
+    (broadcast to ``(K, B, H, N)``), ``C_a`` ``(H, H)`` (``a aᵀ``), ``tau0``
+    ``(K, B, 1)``."""
     G_ww, G_wa, G_aa = squares
-    G_aa_Ep = G_aa @ Ep  # (K, B, H, N)
-    A = (p * (G_ww @ p)).sum(dim=-2)  # (K, B, N): the coefficients of ‖M_j‖_F²
-    B1, B2 = (p * (G_wa @ p)).sum(dim=-2), (p * (G_wa @ Ep)).sum(dim=-2)
-    C1 = (p * (G_aa @ p)).sum(dim=-2)  # (B, N)
-    C2, C3 = (p * G_aa_Ep).sum(dim=-2), (Ep * G_aa_Ep).sum(dim=-2)
-    mu_nu, mu_lam = nu.amax(dim=-1), lam.amax(dim=-1)  # (K, B), (B,)
-    small = torch.finfo(mu_nu.dtype).eps  # any τ > 0 is sound; τ² stays finite
-    tau0 = _root(mu_lam / _unit(mu_nu, mu_nu > 0)).clamp(small, 1 / small)[..., None]
-    best = 2 * _root(mu_nu * mu_lam) + _schur(C_a, Ep).amax(dim=-1)  # (11.9)
+    aa_beta = G_aa @ beta
+    A = (alpha * (G_ww @ alpha)).sum(dim=-2)  # (K, B, N): coefficients of ‖M_j‖_F²
+    B1, B2 = (alpha * (G_wa @ beta)).sum(dim=-2), (alpha * (G_wa @ third)).sum(dim=-2)
+    C1 = (beta * aa_beta).sum(dim=-2)
+    C2, C3 = (third * aa_beta).sum(dim=-2), (third * (G_aa @ third)).sum(dim=-2)
+    best = torch.minimum(best, 2 * _root(mu_nu * mu_lam)
+                         + _schur(C_a, third).amax(dim=-1))  # (11.9)
     for f in SPLITS:
         tau = tau0 * f  # (K, B, 1)
-        nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ Σ P ν² + Σ P λ²/τ
+        nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ_h Σ P ν² + Σ P λ²/τ_h
         frobenius = (nu_coef**2 * A + 2 * nu_coef * (lam_coef * B1 + B2)
                      + lam_coef**2 * C1 + 2 * lam_coef * C2 + C3)
         frobenius = _root(frobenius)
@@ -418,23 +417,31 @@ def _split_curvature(p: Tensor, E: Tensor, C_a: Tensor, squares: tuple[Tensor, .
 
 
 def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
-               P_ball: Tensor, Delta: Tensor, radius: float
+               P_ball: Tensor, Delta: Tensor, radius: float, both: Tensor
                ) -> Callable[[Tensor], Tensor]:
-    """``s ↦ max_j λ_max(M_j) ≥ |F″(t)| / δ²`` ``(K, B)`` at every point of the
-    segment within ``s`` ``(B,)`` of its start (eq. 11.9b, 11.9d): ``P̄`` the
-    smaller of ``P_ball`` (eq. 10.1 on the whole ball) and Jensen's ``P_hj
-    e^{‖a_h‖ s ‖e_j + P_h‖}``, ``E_h ≥ max_j |f_hj − f̄_h|`` within ``s``.
-    ``f, phi, w`` from :func:`_read_along`; ``P0, P_ball`` ``(B, H, N)``;
-    ``Delta`` ``(B, H)`` eq. 10.1's on the whole ball. What does not depend
-    on ``s`` is computed once."""
+    """``s ↦ max_j λ_max(M_j) ≥ −F″(t) / δ²`` ``(K, B)`` (``≥ |F″(t)| / δ²``
+    where ``both`` ``(K, B)``) at every point of the segment within ``s``
+    ``(B,)`` of its start (eq. 11.9b, 11.9d): ``P̄`` the smaller of ``P_ball``
+    (eq. 10.1 on the whole ball) and Jensen's ``P_hj e^{‖a_h‖ s ‖e_j +
+    P_h‖}``, ``E_h ≥ max_j (f̄_h − f_hj)_+`` (``|f̄_h − f_hj|`` where
+    ``both``) within ``s``; the covariance split with one ``τ`` for every
+    head and with each head's own balance ``τ_h = τ ‖a_h‖/‖w_h‖``. ``f, phi,
+    w`` from :func:`_read_along`; ``P0, P_ball`` ``(B, H, N)``; ``Delta`` ``(B,
+    H)`` eq. 10.1's on the whole ball. What does not depend on ``s`` is
+    computed once."""
     w_norm = w.norm(dim=-1)  # (K, B, H)
     a_norm = a.norm(dim=-1)  # (H,)
     dev = (f - phi).abs()  # (K, B, H, N)
+    # Only −F″ lowers the margin: the third moment reads the values below f̄.
+    low = torch.where(both[..., None, None], dev, (phi - f).clamp_min(0.0))
     # P_hj′ ≤ P_hj e^{‖a_h‖(γ_j + Σ_k P_hk γ_k)} and γ_j + Σ_k P_hk γ_k ≤
     # ‖e_j + P_h‖ s, ‖e_j + P_h‖² = 1 + 2 P_hj + ‖P_h‖².
     reach = (1 + 2 * P0 + P0.square().sum(dim=-1, keepdim=True)).sqrt()  # (B, H, N)
     C_a, C_w = a @ a.T, w @ w.mT  # (H, H), (K, B, H, H)
     squares = (C_w.square(), (w @ a.T).square(), C_a.square())  # Γ ∘ Γ (11.9d)
+    # Per-head splits τ_h = τ ‖a_h‖/‖w_h‖ (each head's own balance).
+    small = torch.finfo(w_norm.dtype).eps  # any τ_h > 0 is sound; τ_h² stays finite
+    ratio = (a_norm / _unit(w_norm, w_norm > 0)).clamp(small, 1 / small)[..., None]
 
     def at(s: Tensor) -> Tensor:
         zeta = (a_norm[:, None] * s[:, None, None] * reach).exp()
@@ -445,45 +452,55 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
                                _root(P_bar.amax(dim=-1))).clamp(max=1.0)  # (B, H)
         d_phi = (w_norm * s[:, None] * P_bar2
                  + (eta * dev).sum(dim=-1))  # (K, B, H) ≥ |f̄ − φ_h|
-        E = torch.minimum(dev.amax(dim=-1) + w_norm * s[:, None] + d_phi,
+        E = torch.minimum(low.amax(dim=-1) + w_norm * s[:, None] + d_phi,
                           2 * radius * w_norm)  # (K, B, H)
+        third = E[..., None] * P_bar  # (K, B, H, N)
         nu, lam = _schur(C_w, P_bar), _schur(C_a, P_bar)  # (K, B, N), (B, N)
-        return _split_curvature(P_bar, E, C_a, squares, nu, lam)
+        mu_nu, mu_lam = nu.amax(dim=-1), lam.amax(dim=-1)  # (K, B), (B,)
+        tau0 = _root(mu_lam / _unit(mu_nu, mu_nu > 0)).clamp(small, 1 / small)
+        best = torch.full_like(mu_nu, torch.inf)
+        best = _split_curvature(P_bar, P_bar, third, C_a, squares, mu_nu, mu_lam,
+                                tau0[..., None], best)  # one τ for every head
+        return _split_curvature(ratio * P_bar, P_bar / ratio, third, C_a, squares,
+                                mu_nu, mu_lam, torch.ones_like(tau0)[..., None], best)
 
     return at
 
 
 def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
                               W_v: Tensor, P0: Tensor, P_bar: Tensor,
-                              Delta: Tensor, radius: float) -> Tensor:
-    """Eq. (11.9)–(11.10): ``|uᵀ r|`` for class attention's remainder ``r``
-    over the ball, from its second derivative along the segment. Per head,
-    with logits moving at ``λ_j = a_h · Δ_j`` and values ``f_hj = w_h · x̂_j``
-    at ``ν_j = w_h · Δ_j`` (``w_h = W_v[h] u_h``), the pooled value ``φ_h =
-    Σ_j P_h[j] f_hj`` has
+                              Delta: Tensor, radius: float, both: Tensor | None = None
+                              ) -> Tensor:
+    """Eq. (11.9)–(11.10): a bound on ``−uᵀ r`` (what class
+    attention's remainder ``r`` can take off ``uᵀc``; on ``|uᵀ r|`` where
+    ``both`` ``(K, B)``) over the ball, from its second derivative along the
+    segment. Per head, with logits moving at ``λ_j = a_h · Δ_j`` and values
+    ``f_hj = w_h · x̂_j`` at ``ν_j = w_h · Δ_j`` (``w_h = W_v[h] u_h``), the
+    pooled value ``φ_h = Σ_j P_h[j] f_hj`` has
 
         φ_h″ = 2 Cov_P(ν, λ) + E_P[(f − f̄)(λ − λ̄)²]
 
-    at every point of the segment (the softmax an exponential family), so
-    ``|φ_h″| ≤ 2 √(Σ_j P̄_hj ν_j²) √(Σ_j P̄_hj λ_j²) + E_h Σ_j P̄_hj λ_j²``
-    with ``E_h ≥ max_j |f_hj − f̄_h|`` on the ball. Summed over the heads
+    at every point of the segment (the softmax an exponential family), so ``−φ_h″ ≤
+    2 √(Σ_j P̄_hj ν_j²) √(Σ_j P̄_hj λ_j²) + E_h Σ_j P̄_hj λ_j²`` with ``E_h ≥ max_j
+    (f̄_h − f_hj)_+`` on the ball (eq. 11.9e). Summed over the heads
     (Cauchy–Schwarz), each sum is a quadratic form ``Σ_j Δ_jᵀ M_j Δ_j ≤ μ δ²``
-    (``μ`` by :func:`_schur`): ``|F″(t)| ≤ δ² (2 √(μ_ν μ_λ) + μ_S)``, or
-    ``δ² max_j λ_max(M_j)`` with the covariance split into one quadratic form
-    (eq. 11.9d, :func:`_split_curvature`, the least kept), with ``P̄`` and
-    ``E`` those of the points within ``tδ`` of the start (:func:`_curvature`).
-    ``r_F = ∫₀¹ (1 − t) F″(t) dt`` is then at most the sum over
-    :data:`PIECES` equal pieces of the segment of each piece's weight
-    ``∫ (1 − t) dt`` times the bound at its far end (eq. 11.9c). The
-    projection's own remainder read by the clean gradient ``G`` is
-    :func:`projection_remainder`.
+    (``μ`` by :func:`_schur`): ``−F″(t) ≤ δ² (2 √(μ_ν μ_λ) + μ_S)``, or ``δ² max_j
+    λ_max(M_j)`` with the covariance split into one quadratic form (eq. 11.9d,
+    :func:`_split_curvature`, the least kept), with ``P̄`` and the values' spread
+    those of the points within ``tδ`` of the start (:func:`_curvature`). ``−r_F =
+    −∫₀¹ (1 − t) F″(t) dt`` is then at most the sum over :data:`PIECES` equal pieces
+    of the segment of each piece's weight ``∫ (1 − t) dt`` times the bound at its
+    far end (eq. 11.9c). The projection's own remainder read by the clean gradient
+    ``G`` is :func:`projection_remainder`.
 
     ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``u`` ``(K, B, H·d_v)``, ``a``
     ``(H, D)``, ``W_v`` ``(H, D, d_v)``, ``P0, P_bar`` ``(B, H, N)`` and
     ``Delta`` ``(B, H)`` from :func:`~lipvit.certify.ball.attention.class_ball`
     on the whole ball; returns ``(K, B)``."""
     w, f, phi = _read_along(X, u, W_v, P0, radius)
-    curvature = _curvature(f, phi, w, a, P0, P_bar, Delta, radius)
+    if both is None:
+        both = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
+    curvature = _curvature(f, phi, w, a, P0, P_bar, Delta, radius, both)
     soft = 0.0
     for k in range(PIECES):
         near, far = k / PIECES, (k + 1) / PIECES
