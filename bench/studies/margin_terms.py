@@ -14,7 +14,11 @@ correctly classified point's tightest wrong class (the least slack under
 median of class attention's remainder bound along that margin and of the
 largest remainder projected gradient ascent finds inside the ball of its
 input (``--steps`` steps from ``--starts`` random points, both signs: a lower
-bound of the true one).
+bound of the true one); and, to see where the rest goes, the second-order
+bound (eq. 11.9–11.10) with the attention held at the point (its envelope
+not grown: not a bound) and ``δ²/2`` times the largest eigenvalue magnitude
+of the Hessian there (power iteration, from below: the remainder's
+second-order term, were the ball small).
 
 Usage (JSON in OUT/margin_terms.json)::
 
@@ -29,8 +33,10 @@ import sys
 from pathlib import Path
 
 import torch
+from lipvit.certify.ball.attention import class_ball
 from lipvit.certify.ball.network import ball_chain
 from lipvit.certify.follow.network import least_cut, margin_certificate
+from lipvit.certify.follow.variation import class_attention_remainder
 
 from lipvit.checkpoint import load_checkpoint
 from lipvit.data import load_dataset
@@ -72,6 +78,26 @@ def ascended_remainder(ca, X: torch.Tensor, u: torch.Tensor, delta: torch.Tensor
     return best
 
 
+def hessian_term(ca, X: torch.Tensor, u: torch.Tensor, delta: torch.Tensor,
+                 steps: int = 60) -> torch.Tensor:
+    """``δ²/2 · |λ|_max`` of the Hessian of ``uᵀc`` at ``X`` per point ``(B,)``,
+    by power iteration on Hessian-vector products (from below: a lower bound
+    of the remainder's second-order term, not a bound of anything)."""
+    out = torch.zeros_like(delta)
+    gen = torch.Generator().manual_seed(0)
+    for b in range(X.shape[0]):
+        Xb = X[b:b + 1].detach().requires_grad_(True)
+        with torch.enable_grad():
+            (g,) = torch.autograd.grad((ca(Xb) * u[b]).sum(), Xb, create_graph=True)
+            v = torch.randn(Xb.shape, generator=gen, dtype=X.dtype)
+            for _ in range(steps):
+                v = v / v.norm()
+                (hv,) = torch.autograd.grad(g, Xb, v, retain_graph=True)
+                v = hv.detach()
+        out[b] = v.norm()
+    return delta**2 / 2 * out
+
+
 def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
     mc = margin_certificate(model, x, y)
     e = torch.full((len(y),), eps, dtype=x.dtype)
@@ -108,8 +134,18 @@ def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
         found = ascended_remainder(site.module, site.z, site.g[k, idx], delta, steps,
                                    starts)
         bound = rest[i][k, idx]
+        ca, X, u = site.module, site.z, site.g[k, idx]
+        ball = class_ball(X, delta, ca.a(), ca.value, mc.chain.norms[-1], ca.pos_bias,
+                          ca.radius)
+        second, frozen = (class_attention_remainder(
+            X, delta, u[None], ca.a(), ca.value, ball.P0, P_bar, Delta, ca.radius)[0]
+            for P_bar, Delta in ((ball.P_bar, ball.Delta),
+                                 (ball.P0, torch.zeros_like(ball.Delta))))
         out["class_attention"] = {
             "input_radius": float(delta.median()), "bound": float(bound[ok].median()),
+            "second_order": float(second[ok].median()),
+            "attention_held": float(frozen[ok].median()),
+            "hessian": float(hessian_term(ca, X, u, delta)[ok].median()),
             "ascent": float(found[ok].median()),
             "bound_over_ascent": float((bound / found.clamp_min(1e-300))[ok].median())}
     return out
