@@ -235,10 +235,10 @@ def certify(
     Without --method: the architecture's default (--method's help): `taylor`
     on lipvit's ViT where it can bound it (else `lofast`, with a one-line
     note), `ball` on the hybrid ViT, `margin` on the CaiT (never weaker than
-    `ball`; it follows each margin through attention, about 13× slower:
-    0.33 s a point per eps on the Fashion-MNIST CaiT). When nothing is
-    certified the last line names a stronger method, if one was not used,
-    before suggesting a smaller eps. taylor's and margin's radius searches
+    `ball`; it follows each margin through attention, about 20× slower:
+    0.44 s a point per eps on the Fashion-MNIST CaiT, one thread). When
+    nothing is certified the last line names a stronger method, if one was
+    not used, before suggesting a smaller eps. taylor's and margin's radius searches
     (their costly part) run only with --radius: a run with taylor,
     cascade-taylor or margin computes radii only then; other runs always
     compute their (cheap) radii for the JSON.
