@@ -50,6 +50,7 @@ what the ascent finds, for every seed:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -118,10 +119,10 @@ def edited(name: str, identity: bool = False) -> Callable:
 # ---------------------------------------------------------------- class attention
 
 
-def remainder_brute(case: Case, seed: int) -> float:
+def remainder_brute(case: Case, seed: int, both: bool = False) -> float:
     """The largest ``−(uᵀ(c(X′) − c(X)) − ∇_X(uᵀc)(X) · (X′ − X))`` found on
     the ball (one margin): what the remainder takes off ``uᵀc``, the side
-    the bound covers."""
+    the bound covers (its absolute value with ``both``)."""
     ca, X, (u,) = case.module, case.x0, case.u
 
     def f(x: Tensor) -> Tensor:
@@ -129,8 +130,11 @@ def remainder_brute(case: Case, seed: int) -> float:
 
     G0, f0 = grad(f)(X), f(X)
     witnesses = () if case.witness is None else (case.witness,)
-    return ascended(lambda x: -(f(x) - f0 - (G0 * (x - X)).sum()), X,
-                    case.delta, seed, witnesses, n=16, steps=30)
+    def remainder(x: Tensor) -> Tensor:
+        r = f(x) - f0 - (G0 * (x - X)).sum()
+        return r.abs() if both else -r
+
+    return ascended(remainder, X, case.delta, seed, witnesses, n=16, steps=30)
 
 
 def one_head(seed: int, a_norm: float, delta: float, X_of: Callable, along_a: bool,
@@ -218,6 +222,27 @@ def test_class_attention_remainder_bounds_the_ascended_remainder(
         found, bound = remainder_brute(case, seed), bound_of(
             variation.class_attention_remainder, case)
         assert found <= bound, (found, bound)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_class_attention_remainder_on_both_sides(seed):
+    """With ``both`` (a head pair whose gap may be 0) the bound covers the
+    remainder's either sign: ``|uᵀ r|`` on the ball, at least the one-sided
+    bound, and above it where the third moment's two sides differ (the
+    ``apart`` tokens read along ``e``: the remainder raises ``uᵀc``)."""
+    ca = random_class_attention(seed, 3.0)
+    gen = torch.Generator().manual_seed(seed + 100)
+    X = torch.randn(4, 8, generator=gen, dtype=F64) * 0.6
+    u = torch.randn(1, 12, generator=gen, dtype=F64)
+    raising = apart(seed)
+    for case in (Case(ca, X, 0.5, u, None), raising._replace(u=-raising.u)):
+        found = remainder_brute(case, seed, both=True)
+        one = bound_of(variation.class_attention_remainder, case)
+        two = bound_of(functools.partial(variation.class_attention_remainder,
+                                         both=torch.ones(1, 1, dtype=torch.bool)),
+                       case)
+        assert found <= two and one <= two, (found, one, two)
+    assert one < found <= two, (one, found, two)  # the raising side needs both
 
 
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))
