@@ -44,11 +44,11 @@ from ..ball.network import BallChain, ball_chain
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
 from .variation import (
-    GAP_SLACK,
     capped_maxmin_remainder,
     class_attention_remainder,
     class_attention_variation,
     coupled_maxmin_remainder,
+    lowered_gap,
     maxmin_remainder,
     pair_radius,
     projection_moves,
@@ -181,12 +181,11 @@ class MarginCertificate:
                 create_graph=self.differentiable)
         grad = grad.flatten(2)  # (P, B, N·D)
         gram = torch.einsum("pbi,qbi->bpq", grad, grad)
-        with torch.no_grad():
-            z_a, z_b = self.model.head_hidden(c).chunk(2, dim=-1)  # (B, P) each
-            d = z_a - z_b
-            sure = d.abs() > GAP_SLACK * (z_a.abs() + z_b.abs())
-            side = torch.where(sure, d.sign(), torch.zeros_like(d)).mT  # (P, B)
-        return v, grad.norm(dim=-1) * (1 + 1e-12), gram, side
+        # The pairs' pre-activations as the forward pass recorded them.
+        z = next(s.z for s in self.sites if s.module is self.model.head_hidden)
+        z_a, z_b = z.detach().chunk(2, dim=-1)  # (B, P) each
+        side = torch.where(lowered_gap(z_a, z_b) > 0, (z_a - z_b).sign(), 0.0).mT
+        return v, grad.norm(dim=-1) * (1 + 1e-12), gram, side  # side (P, B)
 
     def _self_ball(self, k: int, t: Tensor, delta: Tensor):
         attn = self.chain.maps[k]

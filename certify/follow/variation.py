@@ -118,6 +118,13 @@ def pair_radius(delta: Tensor, delta_in: Tensor, V_norm: Tensor) -> Tensor:
     return torch.minimum(delta, V_norm * delta_in / 2**0.5)
 
 
+def lowered_gap(a: Tensor, b: Tensor) -> Tensor:
+    """MaxMin pairs' gaps ``|a − b|`` lowered by their float error (towards a
+    flip, so that no pair that can flip is missed), at least 0: a pair whose
+    lowered gap is 0 may have either sign."""
+    return ((a - b).abs() - GAP_SLACK * (a.abs() + b.abs())).clamp_min(0.0)
+
+
 def _pairs(z: Tensor, g: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """MaxMin's pairs along ``dim`` (negative): ``c = g_a − g_b`` ``(K, B, P)``
     (gradients at the input), set to 0 for the pairs that cannot lower the
@@ -131,7 +138,7 @@ def _pairs(z: Tensor, g: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     assert dim < 0, "dim counts from the end (z and g differ in leading axes)"
     a, b = z.chunk(2, dim=dim)
     ga, gb = g.chunk(2, dim=dim)
-    gap = ((a - b).abs() - GAP_SLACK * (a.abs() + b.abs())).clamp_min(0.0)
+    gap = lowered_gap(a, b)
     c = ga - gb
     raises = (c * (a - b) > 0) & (gap > 0)
     return torch.where(raises, 0.0, c).flatten(2), gap.flatten(1)
@@ -376,12 +383,13 @@ SPLITS = tuple(2 ** (k / 2) for k in range(-4, 5))
 """The factors of ``τ₀`` tried in the split ``2|Cov| ≤ τ_h Σ P ν² + Σ P λ²/τ_h``
 (eq. 11.9d); ``1`` makes the bound never weaker than (11.9)."""
 
+
 def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor, C_a: Tensor,
                      squares: tuple[Tensor, ...], mu_nu: Tensor, mu_lam: Tensor,
                      tau0: Tensor, best: Tensor) -> Tensor:
     """Eq. (11.9d): a bound on ``max_j λ_max(M_j)`` ``(K, B)``, the least of
-    ``best``, (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` and the splits ``τ_h = τ α_hj /
-    p_hj`` over ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), where
+    ``best``, (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` and the splits ``τ_h = τ r_h``
+    over ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), where
 
         M_j = Σ_h (τ α_hj w_h w_hᵀ + (β_hj/τ + third_hj) a_h a_hᵀ)
 
