@@ -315,7 +315,7 @@ class GroupedCommand(click.Command):
     type=click.IntRange(min=0),
     default=None,
     help="CaiT: bound the --cert-eps loss by margin (differentiable, about "
-    "0.17 s an image on two CPU threads) on this many images of each batch, "
+    "0.45 s an image on two CPU threads) on this many images of each batch, "
     "by ball on the rest; 0: ball alone "
     f"[default: {defaults_help('cert_margin')}].",
 )

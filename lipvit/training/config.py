@@ -72,7 +72,7 @@ class TrainConfig:
             alone).
         cert_margin: CaiT only: how many images of each batch the
             ``cert_eps`` loss bounds by ``margin`` (differentiably,
-            :mod:`lipvit.training.margin_loss`; about 0.17 s an image on two
+            :mod:`lipvit.training.margin_loss`; about 0.45 s an image on two
             CPU threads); the rest by ``ball``. 0: ``ball`` alone.
         noise_sd: ``σ`` of the Gaussian noise added to every training image
             (pixels in ``[0, 1]``, no clipping), after augmentation and PGD:

@@ -15,7 +15,7 @@ certificate's bound computed differentiably in the training precision
 (double backpropagation through the margins' gradients at every site), with
 the cheaper forms training reads for ``ball`` (the capped maps at their caps,
 ``exact=False``: never smaller), on the first ``points`` images of each batch
-(about 0.17 s an image on the Fashion-MNIST CaiT, two CPU threads, float32,
+(about 0.45 s an image on the Fashion-MNIST CaiT, two CPU threads, float32,
 forward and backward); the rest of the batch sees ``ball``'s raised logits.
 The operator norms the bound reads (the stem's, ``‖W₁‖``, ``‖W_a − W_b‖``)
 enter as constants of the current weights: their gradients are not followed.
