@@ -344,27 +344,73 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     return values + soft + project
 
 
-def projection_remainder(X: Tensor, delta: Tensor, G_norm: Tensor,
-                         radius: float) -> Tensor:
+def projection_reach(X: Tensor, delta: Tensor, radius: float) -> tuple[Tensor, Tensor]:
+    """Each token's distance to the projection's radius and how fast its
+    Jacobian turns outside it (eq. 11.10): ``gap`` ``(B, N)``, ``d_j = |‖x_j‖ −
+    R|`` lowered by its float error, and ``kappa`` ``(B, N)``, ``κ_j =
+    (R/‖x_j‖)(1/max(‖x_j‖ − δ, R) + 1/‖x_j‖)`` for the tokens outside (eq.
+    11.6), 0 inside; ``X`` ``(B, N, D)``, ``delta`` ``(B,)``."""
+    norm = X.norm(dim=-1)  # (B, N)
+    gap = ((norm - radius).abs() - GAP_SLACK * (norm + radius)).clamp_min(0.0)
+    outside = norm > radius * (1 + GAP_SLACK)
+    low = torch.maximum(norm - delta[:, None], torch.full_like(norm, radius))
+    kappa = radius / norm.clamp_min(radius) * (1 / low + 1 / norm.clamp_min(radius))
+    return gap, torch.where(outside, kappa, torch.zeros_like(kappa)) * (1 + 1e-12)
+
+
+def projection_remainder(G_norm: Tensor, gap: Tensor, kappa: Tensor,
+                         delta: Tensor) -> Tensor:
     """Eq. (11.10): ``Σ_j ‖G_j‖ ‖r_j‖`` over the ball, ``r_j = x̂′_j − x̂_j −
     J_j (x′_j − x_j)`` the projection's remainder on token ``j`` and ``G_j``
     ``(K, B, N)`` by its norm the gradient it is read with. A token moved by
-    ``γ_j`` (``Σ γ_j² ≤ δ²``) at distance ``d_j = |‖x_j‖ − R|`` from the
-    radius has ``‖r_j‖ ≤ (γ_j − d_j)_+ + κ_j γ_j² / 2``: where the segment
-    crosses the radius its Jacobian differs from ``J_j`` by at most 1, and
-    only after the token has moved by ``d_j``; outside, ``J`` turns at rate
-    ``κ_j = (R/‖x_j‖)(1/max(‖x_j‖ − δ, R) + 1/‖x_j‖)`` (eq. 11.6; 0 inside).
-    The first sum is :func:`pair_remainder`'s problem with ``t_j = γ_j/√2``;
-    returns ``(K, B)``."""
-    norm = X.norm(dim=-1)  # (B, N)
-    gap = ((norm - radius).abs() - GAP_SLACK * (norm + radius)).clamp_min(0.0)
+    ``γ_j`` (``Σ γ_j² ≤ δ²``) at distance ``d_j`` (``gap``) from the radius has
+    ``‖r_j‖ ≤ (γ_j − d_j)_+ + κ_j γ_j² / 2`` (:func:`projection_reach`):
+    where the segment crosses the radius its Jacobian differs from ``J_j`` by
+    at most 1, and only after the token has moved by ``d_j``; outside, ``J``
+    turns at rate ``κ_j``. The first sum is :func:`pair_remainder`'s problem
+    with ``t_j = γ_j/√2``; returns ``(K, B)``."""
     cross = pair_remainder(G_norm, gap, delta / 2**0.5)
-    dl = delta[:, None]
-    outside = norm > radius * (1 + GAP_SLACK)
-    low = torch.maximum(norm - dl, torch.full_like(norm, radius))
-    kappa = radius / norm.clamp_min(radius) * (1 / low + 1 / norm.clamp_min(radius))
-    kappa = torch.where(outside, kappa, torch.zeros_like(kappa)) * (1 + 1e-12)
     return cross + delta**2 / 2 * (G_norm * kappa).amax(dim=-1)
+
+
+SHARES = 41
+"""Multipliers ``λ`` tried in :func:`shared_remainder`'s dual, ``λ₀ 2^{−k/4}``."""
+
+
+def shared_remainder(q: Tensor, G_norm: Tensor, gap: Tensor, kappa: Tensor,
+                     delta: Tensor) -> Tensor:
+    """Eq. (11.10a): class attention's curvature and the projection's
+    remainder on one budget. Token ``j`` moved by ``γ_j`` (``Σ_j γ_j² ≤ δ²``,
+    ``γ_j ≤ δ``) costs at most ``h_j(γ_j) = Q_j γ_j² + ‖G_j‖ (γ_j − d_j)_+``
+    with ``Q_j = q_j + κ_j ‖G_j‖/2``, ``q_j`` ``(K, B, N)`` its curvature
+    coefficient along the segment (eq. 11.9c token by token), ``d_j, κ_j``
+    from :func:`projection_reach`. For every ``λ ≥ 0`` (weak duality)
+
+        max Σ_j h_j(γ_j) ≤ λ δ² + Σ_j max_{0 ≤ γ ≤ δ} (h_j(γ) − λ γ²),
+
+    each inner maximum attained at ``0``, ``min(d_j, δ)``, ``δ`` or the
+    stationary point ``‖G_j‖/(2(λ − Q_j))`` clamped into ``[min(d_j, δ), δ]``
+    (where ``λ > Q_j``): all four are evaluated. The least over :data:`SHARES`
+    multipliers ``λ₀ 2^{−k/4}``, ``λ₀ = max_j Q_j + max_j ‖G_j‖/δ``; returns
+    ``(K, B)``."""
+    Q = q + kappa * G_norm / 2  # (K, B, N)
+    dl = delta[:, None].expand_as(gap)  # (B, N)
+    near = torch.minimum(gap, dl)
+    lam0 = Q.amax(dim=-1) + G_norm.amax(dim=-1) / _unit(delta, delta > 0)  # (K, B)
+    best = torch.full_like(lam0, torch.inf)
+    for k in range(SHARES):
+        lam = (lam0 * 2 ** (-k / 4))[..., None]  # (K, B, 1)
+        over = lam - Q
+        stationary = G_norm / (2 * _unit(over, over > 0))
+        stationary = torch.where(over > 0, torch.minimum(stationary, dl), dl)
+        inner = torch.stack([  # each value plus its rounding
+            -over * g**2 + G_norm * (g - gap).clamp_min(0.0)
+            + 1e-12 * (over.abs() * g**2 + G_norm * (g + gap))
+            for g in (near, dl, torch.maximum(stationary, near))]).amax(dim=0)
+        inner = inner.clamp_min(0.0)  # γ = 0 gives 0
+        best = torch.minimum(best, lam[..., 0] * delta**2 * (1 + 1e-12)
+                             + inner.sum(dim=-1))
+    return torch.where(delta > 0, best, torch.zeros_like(best))
 
 
 def _schur(C: Tensor, p: Tensor) -> Tensor:
@@ -384,12 +430,18 @@ SPLITS = tuple(2 ** (k / 2) for k in range(-4, 5))
 (eq. 11.9d); ``1`` makes the bound never weaker than (11.9)."""
 
 
-def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor, C_a: Tensor,
-                     squares: tuple[Tensor, ...], mu_nu: Tensor, mu_lam: Tensor,
-                     tau0: Tensor, best: Tensor) -> Tensor:
-    """Eq. (11.9d): a bound on ``max_j λ_max(M_j)`` ``(K, B)``, the least of
-    ``best``, (11.9)'s ``2 √(μ_ν μ_λ) + μ_S`` and the splits ``τ_h = τ r_h``
-    over ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), where
+def _cov_split(tau: Tensor) -> tuple[Tensor, Tensor]:
+    """The weights of ``2|Cov_P(ν, λ)| ≤ 2 √(Σ P ν²) √(Σ P λ²) ≤ τ Σ P ν² + Σ P
+    λ²/τ`` (any ``τ > 0``): ``(τ, 1/τ)``."""
+    return tau, 1 / tau
+
+
+def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor,
+                     squares: tuple[Tensor, ...], tau0: Tensor, best: Tensor) -> Tensor:
+    """Eq. (11.9d) token by token: of ``best`` ``(K, B, N)`` and the splits
+    ``τ_h = τ r_h`` over ``τ = τ₀ f`` (``f`` in :data:`SPLITS`), each a bound
+    on ``λ_max(M_j)`` for every token ``j``, the one whose largest over the
+    tokens is least, where
 
         M_j = Σ_h (τ α_hj w_h w_hᵀ + (β_hj/τ + third_hj) a_h a_hᵀ)
 
@@ -401,42 +453,41 @@ def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor, C_a: Tensor,
     vectors' Gram matrix: a polynomial in ``τ`` and ``1/τ`` whose
     coefficients are computed once; ``squares`` are the blocks ``(w_h ·
     w_h′)²``, ``(w_h · a_h′)²``, ``(a_h · a_h′)²`` of ``Γ ∘ Γ``, ``(K, B, H,
-    H)``, ``(K, B, H, H)``, ``(H, H)``. ``μ_ν, μ_λ`` ``(K, B)``, ``(B,)`` are
-    :func:`_schur`'s maxima of ``ν`` of ``w`` and ``λ`` of ``a``, ``μ_S`` that
-    of ``a`` weighted by ``third``. ``alpha, beta, third`` ``(…, H, N)``
-    (broadcast to ``(K, B, H, N)``), ``C_a`` ``(H, H)`` (``a aᵀ``), ``tau0``
-    ``(K, B, 1)``."""
+    H)``, ``(K, B, H, H)``, ``(H, H)``. ``alpha, beta, third`` ``(…, H, N)``
+    (broadcast to ``(K, B, H, N)``), ``tau0`` ``(K, B, 1)``. One ``τ`` serves
+    every token (the split is of sums over the tokens)."""
     G_ww, G_wa, G_aa = squares
     aa_beta = G_aa @ beta
     A = (alpha * (G_ww @ alpha)).sum(dim=-2)  # (K, B, N): coefficients of ‖M_j‖_F²
     B1, B2 = (alpha * (G_wa @ beta)).sum(dim=-2), (alpha * (G_wa @ third)).sum(dim=-2)
     C1 = (beta * aa_beta).sum(dim=-2)
     C2, C3 = (third * aa_beta).sum(dim=-2), (third * (G_aa @ third)).sum(dim=-2)
-    best = torch.minimum(best, 2 * _root(mu_nu * mu_lam)
-                         + _schur(C_a, third).amax(dim=-1))  # (11.9)
     for f in SPLITS:
         tau = tau0 * f  # (K, B, 1)
-        nu_coef, lam_coef = tau, 1 / tau  # 2|Cov| ≤ τ_h Σ P ν² + Σ P λ²/τ_h
+        nu_coef, lam_coef = _cov_split(tau)
         frobenius = (nu_coef**2 * A + 2 * nu_coef * (lam_coef * B1 + B2)
                      + lam_coef**2 * C1 + 2 * lam_coef * C2 + C3)
-        frobenius = _root(frobenius)
-        best = torch.minimum(best, frobenius.amax(dim=-1) * (1 + 1e-12))
+        frobenius = _root(frobenius) * (1 + 1e-12)
+        better = frobenius.amax(dim=-1) < best.amax(dim=-1)  # (K, B)
+        best = torch.where(better[..., None], frobenius, best)
     return best
 
 
 def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
                P_ball: Tensor, Delta: Tensor, radius: float, both: Tensor
                ) -> Callable[[Tensor], Tensor]:
-    """``s ↦ max_j λ_max(M_j) ≥ −F″(t) / δ²`` ``(K, B)`` (``≥ |F″(t)| / δ²``
+    """``s ↦ c`` ``(K, B, N)`` with ``−F″(t) ≤ Σ_j c_j ‖Δ_j‖²`` (``|F″(t)|``
     where ``both`` ``(K, B)``) at every point of the segment within ``s``
-    ``(B,)`` of its start (eq. 11.9b, 11.9d): ``P̄`` the smaller of ``P_ball``
-    (eq. 10.1 on the whole ball) and Jensen's ``P_hj e^{‖a_h‖ s ‖e_j +
-    P_h‖}``, ``E_h ≥ max_j (f̄_h − f_hj)_+`` (``|f̄_h − f_hj|`` where
-    ``both``) within ``s``; the covariance split with one ``τ`` for every
-    head and with each head's own balance ``τ_h = τ ‖a_h‖/‖w_h‖``. ``f, phi,
-    w`` from :func:`_read_along`; ``P0, P_ball`` ``(B, H, N)``; ``Delta`` ``(B,
-    H)`` eq. 10.1's on the whole ball. What does not depend on ``s`` is
-    computed once."""
+    ``(B,)`` of its start, ``Δ_j`` the projected tokens' moves (eq. 11.9b,
+    11.9d): ``c_j ≥ λ_max(M_j)``, ``P̄`` the smaller of ``P_ball`` (eq. 10.1
+    on the whole ball) and Jensen's ``P_hj e^{‖a_h‖ s ‖e_j + P_h‖}``, ``E_h ≥
+    max_j (f̄_h − f_hj)_+`` (``|f̄_h − f_hj|`` where ``both``) within ``s``;
+    Schur's test (11.9) token by token, ``2 √(Σ P̄ ν²) √(Σ P̄ λ²) ≤ τ₀ Σ P̄ ν²
+    + Σ P̄ λ²/τ₀``, and the covariance split with one ``τ`` for every head and
+    with each head's own balance ``τ_h = τ ‖a_h‖/‖w_h‖``
+    (:func:`_split_curvature`). ``f, phi, w`` from :func:`_read_along`;
+    ``P0, P_ball`` ``(B, H, N)``; ``Delta`` ``(B, H)`` eq. 10.1's on the
+    whole ball. What does not depend on ``s`` is computed once."""
     w_norm = w.norm(dim=-1)  # (K, B, H)
     a_norm = a.norm(dim=-1)  # (H,)
     dev = (f - phi).abs()  # (K, B, H, N)
@@ -466,11 +517,12 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
         nu, lam = _schur(C_w, P_bar), _schur(C_a, P_bar)  # (K, B, N), (B, N)
         mu_nu, mu_lam = nu.amax(dim=-1), lam.amax(dim=-1)  # (K, B), (B,)
         tau0 = _root(mu_lam / _unit(mu_nu, mu_nu > 0)).clamp(small, 1 / small)
-        best = torch.full_like(mu_nu, torch.inf)
-        best = _split_curvature(P_bar, P_bar, third, C_a, squares, mu_nu, mu_lam,
-                                tau0[..., None], best)  # one τ for every head
-        return _split_curvature(ratio * P_bar, P_bar / ratio, third, C_a, squares,
-                                mu_nu, mu_lam, torch.ones_like(tau0)[..., None], best)
+        tau0 = tau0[..., None]  # (K, B, 1)
+        nu_coef, lam_coef = _cov_split(tau0)  # (11.9): 2√(μ_ν μ_λ) ≥ the largest
+        best = (nu_coef * nu + lam_coef * lam + _schur(C_a, third)) * (1 + 1e-12)
+        best = _split_curvature(P_bar, P_bar, third, squares, tau0, best)  # one τ
+        return _split_curvature(ratio * P_bar, P_bar / ratio, third, squares,
+                                torch.ones_like(tau0), best)
 
     return at
 
@@ -498,8 +550,11 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     those of the points within ``tδ`` of the start (:func:`_curvature`). ``−r_F =
     −∫₀¹ (1 − t) F″(t) dt`` is then at most the sum over :data:`PIECES` equal pieces
     of the segment of each piece's weight ``∫ (1 − t) dt`` times the bound at its
-    far end (eq. 11.9c). The projection's own remainder read by the clean gradient
-    ``G`` is :func:`projection_remainder`.
+    far end (eq. 11.9c), token by token: ``−r_F ≤ Σ_j q_j γ_j²``. The
+    projection's own remainder read by the clean gradient ``G`` is
+    :func:`projection_remainder`; the least of the two bounded apart (``δ²
+    max_j q_j`` plus it) and on one budget (:func:`shared_remainder`, eq.
+    11.10a) is returned.
 
     ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``u`` ``(K, B, H·d_v)``, ``a``
     ``(H, D)``, ``W_v`` ``(H, D, d_v)``, ``P0, P_bar`` ``(B, H, N)`` and
@@ -509,11 +564,13 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     if both is None:
         both = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
     curvature = _curvature(f, phi, w, a, P0, P_bar, Delta, radius, both)
-    soft = 0.0
+    q = 0.0  # −r_F ≤ Σ_j q_j γ_j²
     for k in range(PIECES):
         near, far = k / PIECES, (k + 1) / PIECES
         weight = ((1 - near) ** 2 - (1 - far) ** 2) / 2  # ∫_near^far (1 − t) dt
-        soft = soft + weight * curvature(far * delta)
-    soft = delta**2 * soft * (1 + 1e-12)
-    G = _token_gradient(P0, w, f, phi, a)  # (K, B, N, D)
-    return soft + projection_remainder(X, delta, G.norm(dim=-1), radius)
+        q = q + weight * curvature(far * delta)
+    q = q * (1 + 1e-12)  # (K, B, N)
+    G = _token_gradient(P0, w, f, phi, a).norm(dim=-1)  # (K, B, N)
+    gap, kappa = projection_reach(X, delta, radius)
+    apart = delta**2 * q.amax(dim=-1) + projection_remainder(G, gap, kappa, delta)
+    return torch.minimum(apart, shared_remainder(q, G, gap, kappa, delta))
