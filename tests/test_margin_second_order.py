@@ -39,6 +39,12 @@ what the ascent finds, for every seed:
 - ``projection``: the projection's remainder dropped. Bites on four equal
   tokens just inside the radius pushed across it
   (:func:`tests.test_margin_weakened.class_radius`).
+- ``radial`` (eq. 11.10b): a token inside the radius charged only for the
+  radial part of its gradient, ``(G_j · x_j)_+/(‖x_j‖ + δ)``. Bites where the
+  gradient is tangent and the content logits are off (the remainder is the
+  projection's alone): four equal tokens just inside the radius, the values
+  read across them (:func:`tangent`); a move out and along the gradient
+  crosses the radius and shortens what the gradient reads.
 - ``stationary`` (eq. 11.10a): the curvature and the projection on one
   budget, each token's inner maximum taken at the ends of its interval only
   (the stationary point left out). Bites on the same tokens: with the
@@ -67,7 +73,9 @@ from test_ball import cait_config
 from test_ball_weakened import orthogonal, unit
 from test_margin_weakened import (
     Case,
+    R,
     ascended,
+    class_attention,
     class_radius,
     class_variation,
     random_class_attention,
@@ -95,8 +103,10 @@ WEAKENINGS = {
     "near": ("class_attention_remainder", [(
         "curvature(far * delta)", "curvature(near * delta)")]),
     "projection": ("class_attention_remainder", [(
-        "G = _token_gradient(P0, w, f, phi, a).norm(dim=-1)  # (K, B, N)",
-        "G = 0 * _token_gradient(P0, w, f, phi, a).norm(dim=-1)")]),
+        "G = crossing_gradient(X, delta, G, radius, both)  # (K, B, N)",
+        "G = 0 * crossing_gradient(X, delta, G, radius, both)")]),
+    "radial": ("crossing_gradient", [(
+        "(radial + G_norm * dl)", "radial")]),
     "stationary": ("shared_remainder", [(
         "for g in (near, dl, torch.maximum(stationary, near))",
         "for g in (near, dl)")]),
@@ -194,6 +204,25 @@ def apart(seed: int) -> Case:
     return one_head(seed, 8.0, 0.02, tokens, along_a=False)
 
 
+def tangent(seed: int) -> Case:
+    """Four equal tokens ``(R − δ/4) e`` just inside the projection radius,
+    content logits nearly off (``‖a‖ = 10⁻³``, uniform attention), ``δ =
+    0.2``, ``u`` reading the values along ``w ⊥ e``: the gradient in each
+    token, ``w/4``, is tangent, and the remainder is the projection's (a
+    token moved out across the radius and along ``w`` is pulled back
+    onto it, shortening its move along ``w``)."""
+    gen = torch.Generator().manual_seed(seed)
+    delta = 0.2
+    e = unit(gen)
+    w = unit(gen, e)
+    W_v = orthogonal(8, gen)
+    ca = class_attention(1e-3 * unit(gen)[None], torch.zeros(1, 4, dtype=F64),
+                         W_v[None])
+    X = ((R - delta / 4) * e).expand(4, 8).clone()
+    step = delta / 2 * (0.6 * e + 0.8 * w)  # out across the radius, along w
+    return Case(ca, X, delta, (W_v.T @ w)[None], X + step)
+
+
 CONFIGURATIONS = {
     "centre": lambda seed: uniform(seed, 10.0, 0.2),
     "cov2": lambda seed: uniform(seed, 1.0, 0.05),
@@ -203,6 +232,7 @@ CONFIGURATIONS = {
     "near": crowded,
     "projection": class_radius,
     "stationary": class_radius,
+    "radial": lambda seed: tangent(seed),
 }
 
 

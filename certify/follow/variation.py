@@ -373,6 +373,23 @@ def projection_remainder(G_norm: Tensor, gap: Tensor, kappa: Tensor,
     return cross + delta**2 / 2 * (G_norm * kappa).amax(dim=-1)
 
 
+def crossing_gradient(X: Tensor, delta: Tensor, G: Tensor, radius: float,
+                      both: Tensor) -> Tensor:
+    """What the projection's remainder on token ``j`` takes off ``uᵀc`` per
+    unit of ``(γ_j − d_j)_+`` (eq. 11.10b): ``‖G_j‖`` for a token outside the
+    radius, and for one inside (``J = I``: ``r_j = −(1 − R/‖x′_j‖)_+ x′_j``)
+    ``((G_j · x_j)_+ + ‖G_j‖ δ)/(‖x_j‖ + δ)`` (``|G_j · x_j|`` where ``both``).
+    ``X`` ``(B, N, D)``, ``G`` ``(K, B, N, D)`` the clean gradient in the
+    projected tokens; returns ``(K, B, N)``."""
+    norm, G_norm = X.norm(dim=-1), G.norm(dim=-1)  # (B, N), (K, B, N)
+    radial = (G * X).sum(dim=-1)  # G_j · x_j
+    radial = torch.where(both[..., None], radial.abs(), radial.clamp_min(0.0))
+    dl = delta[:, None]
+    inside = (norm < radius * (1 - GAP_SLACK)) & (dl > 0)
+    reduced = (radial + G_norm * dl) / _unit(norm + dl, inside) * (1 + 1e-12)
+    return torch.where(inside, torch.minimum(reduced, G_norm), G_norm)
+
+
 SHARES = 41
 """Multipliers ``λ`` tried in :func:`shared_remainder`'s dual, ``λ₀ 2^{−k/4}``."""
 
@@ -570,7 +587,8 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
         weight = ((1 - near) ** 2 - (1 - far) ** 2) / 2  # ∫_near^far (1 − t) dt
         q = q + weight * curvature(far * delta)
     q = q * (1 + 1e-12)  # (K, B, N)
-    G = _token_gradient(P0, w, f, phi, a).norm(dim=-1)  # (K, B, N)
+    G = _token_gradient(P0, w, f, phi, a)  # (K, B, N, D)
+    G = crossing_gradient(X, delta, G, radius, both)  # (K, B, N)
     gap, kappa = projection_reach(X, delta, radius)
     apart = delta**2 * q.amax(dim=-1) + projection_remainder(G, gap, kappa, delta)
     return torch.minimum(apart, shared_remainder(q, G, gap, kappa, delta))
