@@ -230,10 +230,8 @@ def projection_turn(X: Tensor, delta: Tensor, radius: float) -> tuple[Tensor, Te
     dl = delta[:, None]
     R_lo, R_hi = radius * (1 - GAP_SLACK), radius * (1 + GAP_SLACK)
     cross = (norm + dl >= R_lo) & (norm - dl <= R_hi)
-    outside = norm - dl > R_hi
-    safe = norm.clamp_min(R_hi)
-    kappa = radius / safe * (1 / (safe - dl).clamp_min(R_hi) + 1 / safe)
-    return cross, torch.where(outside, kappa, torch.zeros_like(kappa))
+    _, kappa = projection_reach(X, delta, radius)  # κ_j of every token outside
+    return cross, torch.where(norm - dl > R_hi, kappa, torch.zeros_like(kappa))
 
 
 def self_attention_variation(P0: Tensor, P_bar: Tensor, P_low: Tensor,
@@ -351,7 +349,7 @@ def projection_reach(X: Tensor, delta: Tensor, radius: float) -> tuple[Tensor, T
     (R/‖x_j‖)(1/max(‖x_j‖ − δ, R) + 1/‖x_j‖)`` for the tokens outside (eq.
     11.6), 0 inside; ``X`` ``(B, N, D)``, ``delta`` ``(B,)``."""
     norm = X.norm(dim=-1)  # (B, N)
-    gap = ((norm - radius).abs() - GAP_SLACK * (norm + radius)).clamp_min(0.0)
+    gap = lowered_gap(norm, torch.full_like(norm, radius))
     outside = norm > radius * (1 + GAP_SLACK)
     low = torch.maximum(norm - delta[:, None], torch.full_like(norm, radius))
     kappa = radius / norm.clamp_min(radius) * (1 / low + 1 / norm.clamp_min(radius))
