@@ -54,17 +54,15 @@ BALL = {"self": "self", "class": "class", "head": "class"}
 WEAKENINGS = {
     ("a", "self"): ("self_ball", "P_bar = attention_upper(P0, Delta)", "P_bar = P0"),
     ("a", "class"): ("class_ball",
-                     "P_bar = (P0 * (2 * Delta)[..., None].exp()).clamp(max=1.0)",
-                     "P_bar = P0"),
+                     "P_bar, P_low = class_envelope(P0, a_norm, delta, R)",
+                     "P_bar, P_low = P0, P0"),
     ("b", "self"): ("self_ball", "(2 * c.sum(dim=1).amax(dim=-1)).sqrt()",
                     "(c.sum(dim=1).amax(dim=-1)).sqrt()"),
     ("c", "self"): ("self_ball", "P_bar = attention_upper(P0, Delta)",
                     "Delta = Delta / 2\n    P_bar = attention_upper(P0, Delta)"),
-    ("c", "class"): ("class_ball",
-                     "Delta = a_norm * torch.minimum(delta, torch.full_like(delta, "
-                     "2 * R))[:, None]",
-                     "Delta = a_norm * torch.minimum(delta, torch.full_like(delta, "
-                     "2 * R))[:, None] / 2"),
+    ("c", "class"): ("class_envelope", "    info = torch.finfo(P0.dtype)",
+                     "    Delta, move = Delta / 2, move / 2\n"
+                     "    info = torch.finfo(P0.dtype)"),
     ("d", "self"): ("self_ball", "+ W_v_h * dl * m.sqrt())", "+ 0)"),
     ("d", "class"): ("class_ball", "+ W_v_h * delta[:, None] * m.sqrt())", "+ 0)"),
 }

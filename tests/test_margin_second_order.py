@@ -92,8 +92,7 @@ F64 = torch.float64
 
 WEAKENINGS = {
     "centre": ("_curvature", [(
-        "P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)",
-        "P_bar = P0")]),
+        "P_bar = torch.minimum(P_ball, P_bar)", "P_bar = P0")]),
     "cov2": ("_cov_split", [("return tau, 1 / tau", "return tau / 2, 1 / (2 * tau)")]),
     "half": ("_curvature", [("C_a, C_w = a @ a.T, w @ w.mT",
                              "a = a / 2\n    C_a, C_w = a @ a.T, w @ w.mT")]),

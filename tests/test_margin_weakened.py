@@ -87,13 +87,12 @@ WEAKENINGS = {
         "raises = (c * (a - b) > 0) & (gap > 0)",
         "raises = (c * (a - b) < 0) & (gap > 0)")]),
     "a": ("class_attention_variation", [
-        ("eta = torch.maximum(P_bar - P0, P0 - P0 * (-2 * Delta)[..., None].exp())",
-         "eta = torch.zeros_like(P0)"),
+        ("eta = torch.maximum(P_bar - P0, P0 - P_low)", "eta = torch.zeros_like(P0)"),
         ("alpha = (ad * P2).exp() * psi * P0", "alpha = torch.zeros_like(P0)")]),
     "c": ("class_attention_variation", [
         ("w, f, phi = _read_along(X, u, W_v, P0, radius)",
-         "w, f, phi = _read_along(X, u, W_v, P0, radius)\n    Delta = Delta / 2\n"
-         "    P_bar = (P0 * (2 * Delta)[..., None].exp()).clamp(max=1.0)"),
+         "w, f, phi = _read_along(X, u, W_v, P0, radius)\n"
+         "    P_bar, P_low = class_envelope(P0, a.norm(dim=-1) / 2, delta, radius)"),
         ("ad = a_norm * dl  # (B, H, 1)", "ad = a_norm * dl / 2  # (B, H, 1)")]),
     "e": ("class_attention_variation", [
         ("return values + soft + project", "return values + soft")]),
@@ -412,7 +411,7 @@ def class_variation(fn: Callable, ca: ClassAttention, X: Tensor, delta: float,
         ball = class_ball(X[None], d, ca.a(), ca.value, ca.norms(), ca.pos_bias,
                           ca.radius)
         V = fn(X[None], d, u[:, None], ca.a(), ca.value, ball.P0, ball.P_bar,
-               ball.Delta, ca.radius)
+               ball.P_low, ca.radius)
     return V[:, 0].tolist()
 
 

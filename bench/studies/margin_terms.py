@@ -141,9 +141,8 @@ def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
         ball = class_ball(X, delta, ca.a(), ca.value, mc.chain.norms[-1], ca.pos_bias,
                           ca.radius)
         second, frozen = (class_attention_remainder(
-            X, delta, u[None], ca.a(), ca.value, ball.P0, P_bar, Delta, ca.radius)[0]
-            for P_bar, Delta in ((ball.P_bar, ball.Delta),
-                                 (ball.P0, torch.zeros_like(ball.Delta))))
+            X, delta, u[None], ca.a(), ca.value, ball.P0, P_bar, P_low, ca.radius)[0]
+            for P_bar, P_low in ((ball.P_bar, ball.P_low), (ball.P0, ball.P0)))
         out["class_attention"] = {
             "input_radius": float(delta.median()), "bound": float(bound[ok].median()),
             "second_order": float(second[ok].median()),

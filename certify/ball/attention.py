@@ -166,22 +166,56 @@ def self_local(ball: SelfBall, norms: AttentionNorms) -> Tensor:
 
 class ClassBall(NamedTuple):
     """What class attention's bounds on a ball are made of (per sample):
-    ``P0``, ``P_bar`` ``(B, H, N)`` the attention at ``X`` and its bound on the
-    ball, ``Delta`` ``(B, H)`` the content logits' move, ``soft`` ``(B, H)``
-    ``‖a_h‖ s̄_h`` (the values' spread on the ball, eq. 10.4)."""
+    ``P0``, ``P_bar``, ``P_low`` ``(B, H, N)`` the attention at ``X`` and its
+    bounds on the ball (:func:`class_envelope`), ``soft`` ``(B, H)`` ``‖a_h‖
+    s̄_h`` (the values' spread on the ball, eq. 10.4)."""
 
     P0: Tensor
     P_bar: Tensor
-    Delta: Tensor
+    P_low: Tensor
     soft: Tensor
+
+
+def class_envelope(P0: Tensor, a_norm: Tensor, delta: Tensor, radius: float
+                   ) -> tuple[Tensor, Tensor]:
+    """Eq. (10.1b): ``P̲_h[j] ≤ P_h[j](X′) ≤ P̄_h[j]`` for class attention
+    ``P_h = softmax_j(B_h[j] + a_h · x̂_j)`` on the ball ``‖X′ − X‖_F ≤ δ``.
+    Token ``j``'s logit moves by at most ``‖a_h‖ γ_j`` (``γ_j ≤ min(δ, 2R)``,
+    ``Σ_j γ_j² ≤ δ²``); ``P_h[j]`` grows with its own logit and falls with
+    the others', and Jensen on the others' share of the denominator (weights
+    ``π_k = P_k/(1 − P_j)``) gives
+
+        P̄_j = σ(logit P_j + ‖a_h‖ min(δ r_j, 2 min(δ, 2R))),   r_j² = 1 + Σ_{k≠j} π_k²
+        P̲_j = σ(logit P_j − ‖a_h‖ min(√2 δ, 2 min(δ, 2R)))
+
+    (``γ_j + Σ_k π_k γ_k ≤ r_j δ`` and ``γ_j + max_k γ_k ≤ √2 δ`` by
+    Cauchy–Schwarz), each also held by eq. (10.1)'s ``min(1, e^{2Δ_h} P_j)``
+    and ``e^{−2Δ_h} P_j``, ``Δ_h = ‖a_h‖ min(δ, 2R)``. ``P0`` ``(B, H, N)``,
+    ``a_norm`` ``(H,)``, ``delta`` ``(B,)``; returns ``(P̄, P̲)``, rounded
+    outwards by ``10⁻¹²``, differentiable."""
+    Delta = (a_norm * torch.minimum(delta, torch.full_like(delta, 2 * radius))[:, None]
+             )[..., None]  # (B, H, 1) Δ_h
+    move = (a_norm * delta[:, None])[..., None]  # (B, H, 1) ‖a_h‖ δ
+    info = torch.finfo(P0.dtype)
+    p = P0.clamp(info.tiny, 1 - info.eps)
+    rest = 1 - p  # (B, H, N)
+    others = (p.square().sum(dim=-1, keepdim=True) - p.square()).clamp_min(0.0)
+    r = (1 + (others / rest.square()).clamp(max=1.0)).sqrt()  # Σ_{k≠j} π_k² ≤ 1
+    logit = p.log() - rest.log()
+    up = torch.sigmoid(logit + torch.minimum(move * r, 2 * Delta)) * (1 + 1e-12)
+    up = torch.where(P0 < 1 - info.eps, up, torch.ones_like(up))
+    P_bar = torch.minimum(up, P0 * (2 * Delta).exp()).clamp(max=1.0)
+    low = torch.sigmoid(logit - torch.minimum(move * math.sqrt(2), 2 * Delta))
+    P_low = torch.maximum(low * (1 - 1e-12), P0 * (-2 * Delta).exp())
+    return P_bar, torch.minimum(P_low, P0)
 
 
 def class_ball(X: Tensor, delta: Tensor, a: Tensor, W_v: Tensor,
                norms: AttentionNorms, B: Tensor, radius: float, exact: bool = True
                ) -> ClassBall:
     """:class:`ClassBall` of class attention at tokens ``X`` ``(B, N, D)`` on
-    the ball of radius ``delta`` ``(B,)``: ``P̄_h = min(1, e^{2 Δ_h} P⁰_h)``,
-    ``Δ_h = ‖a_h‖ min(δ, 2R)``, and the values' spread bounded at ``X`` plus
+    the ball of radius ``delta`` ``(B,)``: the attention's bounds
+    :func:`class_envelope` (eq. 10.1b) and the values' spread bounded at ``X`` plus
     what the ball adds (eq. 10.4). With ``exact`` the spread is measured on
     the values; else (training) on the tokens, times ``‖W_v[h]‖`` (cheaper,
     never smaller). ``a`` ``(H, D)``, ``W_v`` ``(H, D, d)``, ``B`` ``(H, N)``."""
@@ -189,8 +223,7 @@ def class_ball(X: Tensor, delta: Tensor, a: Tensor, W_v: Tensor,
     x_hat = layer_project(X, R)  # (B, N, D)
     P0 = (x_hat @ a.T).mT.add(B).softmax(dim=-1)  # (B, H, N)
     a_norm = norms.content  # (H,)
-    Delta = a_norm * torch.minimum(delta, torch.full_like(delta, 2 * R))[:, None]
-    P_bar = (P0 * (2 * Delta)[..., None].exp()).clamp(max=1.0)  # (B, H, N)
+    P_bar, P_low = class_envelope(P0, a_norm, delta, R)  # (B, H, N)
     W_v_h = norms.value_head  # (H,)
     centre = P0 @ x_hat  # (B, H, D) the clean pooled tokens
     if exact:  # ‖(x̂_j − x̄_h) W_v[h]‖²
@@ -203,7 +236,7 @@ def class_ball(X: Tensor, delta: Tensor, a: Tensor, W_v: Tensor,
     sigma = (torch.minimum((P_bar * e2).sum(dim=-1), e2.amax(dim=-1)).sqrt()
              + W_v_h * delta[:, None] * m.sqrt())
     sigma = torch.minimum(sigma, W_v_h * R)  # (B, H)
-    return ClassBall(P0, P_bar, Delta, a_norm * sigma)
+    return ClassBall(P0, P_bar, P_low, a_norm * sigma)
 
 
 def class_attention_local(
@@ -257,8 +290,7 @@ def class_head_local(
     ``M`` ``(H, out, D)``; returns ``(B,)``.
     """
     ball = class_ball(X, delta, a, W_v, norms, B, radius)
-    lower = ball.P0 * (-2 * ball.Delta)[..., None].exp()
-    eta = torch.maximum(ball.P_bar - ball.P0, ball.P0 - lower)  # (B, H, N)
+    eta = torch.maximum(ball.P_bar - ball.P0, ball.P0 - ball.P_low)  # (B, H, N)
     eta_norm = (eta.sum(dim=-2).amax(dim=-1) * eta.sum(dim=-1).amax(dim=-1)).sqrt()
     exact = []
     for start in range(0, X.shape[0], chunk):

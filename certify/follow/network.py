@@ -209,7 +209,7 @@ class MarginCertificate:
         ball = class_ball(t, delta, attn.a(), attn.value, norms, attn.pos_bias,
                           attn.radius)
         V = class_attention_variation(t, delta, site.g, attn.a(), attn.value,
-                                      ball.P0, ball.P_bar, ball.Delta, attn.radius)
+                                      ball.P0, ball.P_bar, ball.P_low, attn.radius)
         L_loc = sum(class_attention_paths(norms, ball.P_bar, ball.soft))  # (10.5)
         u, both = site.g, torch.zeros_like(g_norm, dtype=torch.bool)
         if self._pairs is not None:
@@ -218,7 +218,7 @@ class MarginCertificate:
             v = self._pairs[0][:, None] * torch.where(side == 0, 1.0, side)[..., None]
             u, both = torch.cat([u, v]), torch.cat([both, side == 0])
         second = class_attention_remainder(t, delta, u, attn.a(), attn.value, ball.P0,
-                                           ball.P_bar, ball.Delta, attn.radius, both)
+                                           ball.P_bar, ball.P_low, attn.radius, both)
         rest = torch.minimum(torch.minimum(V, 2 * g_norm * L_loc) * delta, second[:K])
         if self._pairs is None:
             return rest, None

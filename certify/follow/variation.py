@@ -38,6 +38,8 @@ from torch import Tensor
 from lipvit.layers import layer_project
 from lipvit.spectral import spectral_norm
 
+from ..ball.attention import class_envelope
+
 # Relative float error allowed in a computed gap |a − b| (rounded towards a
 # flip, so that no pair that can flip is missed).
 GAP_SLACK = 1e-12
@@ -279,7 +281,7 @@ def _token_gradient(P0: Tensor, w: Tensor, f: Tensor, phi: Tensor, a: Tensor
 
 def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
                               W_v: Tensor, P0: Tensor, P_bar: Tensor,
-                              Delta: Tensor, radius: float) -> Tensor:
+                              P_low: Tensor, radius: float) -> Tensor:
     """Eq. (11.5): (11.2) for class attention ``c(X) = [(Σ_j P_h[j] x̂_j)
     W_v[h]]_h``, ``P_h = softmax(B_h + X̂ a_h)``, along ``u`` ``(K, B, H·d_v)``
     (the margins' gradients at ``c``). With ``w_h = W_v[h] u_h``, ``f_hj = w_h ·
@@ -292,24 +294,25 @@ def class_attention_variation(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     each term bounded by a part proportional to ``γ_j`` and a part shared by
     the tokens; the ℓ2 norm over tokens of ``Σ_h (α_hj γ_j + β_hj)`` is at most
     ``δ max_j Σ_h α_hj + ‖Σ_h β_hj‖_j``. The attention's change (eq. 11.5a):
-    ``|ΔP_hj| ≤ η̄_hj`` (eq. 10.1, no split) and ``≤ ζ_h ψ_h P_h[j] (γ_j +
-    ‖P_h‖₂ δ)`` with ``ψ_h = (e^{‖a_h‖δ} − 1)/δ`` (the chord of the exponential)
-    and ``ζ_h = e^{‖a_h‖ ‖P_h‖₂ δ}`` (Jensen on the softmax's denominator); the
+    ``|ΔP_hj| ≤ η̄_hj = max(P̄_hj − P_hj, P_hj − P̲_hj)`` (eq. 10.1b, no
+    split) and ``≤ ζ_h ψ_h P_h[j] (γ_j + ‖P_h‖₂ δ)`` with ``ψ_h = (e^{‖a_h‖δ}
+    − 1)/δ`` (the chord of the exponential) and ``ζ_h = e^{‖a_h‖ ‖P_h‖₂ δ}``
+    (Jensen on the softmax's denominator); the
     pooled value's change ``Δφ_h ≤ ‖w_h‖ ‖P̄_h‖₂ δ + Σ_j |ΔP_hj| |f_hj − φ_h|``;
     ``|ΔQ_hj| ≤ |ΔP_hj| (|f_hj − φ_h| + ‖w_h‖ γ_j + Δφ_h) + P_h[j] (‖w_h‖ γ_j +
     Δφ_h)``. Both forms of each sum are computed and the smaller kept. The
     projection adds ``(J′ − J)ᵀ G`` (eq. 11.6, :func:`projection_turn`).
 
     ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``a`` ``(H, D)``, ``W_v`` ``(H, D,
-    d_v)``; ``P0, P_bar`` ``(B, H, N)`` and ``Delta`` ``(B, H)`` from
+    d_v)``; ``P0, P_bar, P_low`` ``(B, H, N)`` from
     :func:`lipvit.certify.ball.attention.class_ball`; returns ``(K, B)``."""
     w, f, phi = _read_along(X, u, W_v, P0, radius)
     dev = (f - phi).abs()
     w_norm = w.norm(dim=-1)[..., None]  # (K, B, H, 1)
     a_norm = a.norm(dim=-1)[:, None]  # (H, 1)
     dl = delta[:, None, None]  # (B, 1, 1)
-    # |ΔP| ≤ η̄ (eq. 10.1) and ≤ α γ_j + β (eq. 11.5a).
-    eta = torch.maximum(P_bar - P0, P0 - P0 * (-2 * Delta)[..., None].exp())
+    # |ΔP| ≤ η̄ (eq. 10.1b) and ≤ α γ_j + β (eq. 11.5a).
+    eta = torch.maximum(P_bar - P0, P0 - P_low)
     P2 = P0.norm(dim=-1, keepdim=True)  # (B, H, 1) ‖P_h‖₂
     ad = a_norm * dl  # (B, H, 1)
     psi = torch.where(dl > 0, torch.expm1(ad) / _unit(dl, dl > 0), a_norm)
@@ -489,28 +492,26 @@ def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor,
 
 
 def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
-               P_ball: Tensor, Delta: Tensor, radius: float, both: Tensor
+               P_ball: Tensor, P_floor: Tensor, radius: float, both: Tensor
                ) -> Callable[[Tensor], Tensor]:
     """``s ↦ c`` ``(K, B, N)`` with ``−F″(t) ≤ Σ_j c_j ‖Δ_j‖²`` (``|F″(t)|``
     where ``both`` ``(K, B)``) at every point of the segment within ``s``
     ``(B,)`` of its start, ``Δ_j`` the projected tokens' moves (eq. 11.9b,
-    11.9d): ``c_j ≥ λ_max(M_j)``, ``P̄`` the smaller of ``P_ball`` (eq. 10.1
-    on the whole ball) and Jensen's ``P_hj e^{‖a_h‖ s ‖e_j + P_h‖}``, ``E_h ≥
+    11.9d): ``c_j ≥ λ_max(M_j)``, ``P̄`` the smaller of ``P_ball`` (on the
+    whole ball) and eq. (10.1b)'s bound within ``s`` (likewise ``P̲`` the larger
+    of ``P_floor`` and eq. 10.1b's), ``E_h ≥
     max_j (f̄_h − f_hj)_+`` (``|f̄_h − f_hj|`` where ``both``) within ``s``;
     Schur's test (11.9) token by token, ``2 √(Σ P̄ ν²) √(Σ P̄ λ²) ≤ τ₀ Σ P̄ ν²
     + Σ P̄ λ²/τ₀``, and the covariance split with one ``τ`` for every head and
     with each head's own balance ``τ_h = τ ‖a_h‖/‖w_h‖``
     (:func:`_split_curvature`). ``f, phi, w`` from :func:`_read_along`;
-    ``P0, P_ball`` ``(B, H, N)``; ``Delta`` ``(B, H)`` eq. 10.1's on the
-    whole ball. What does not depend on ``s`` is computed once."""
+    ``P0, P_ball, P_floor`` ``(B, H, N)``. What does not depend on ``s`` is
+    computed once."""
     w_norm = w.norm(dim=-1)  # (K, B, H)
     a_norm = a.norm(dim=-1)  # (H,)
     dev = (f - phi).abs()  # (K, B, H, N)
     # Only −F″ lowers the margin: the third moment reads the values below f̄.
     low = torch.where(both[..., None, None], dev, (phi - f).clamp_min(0.0))
-    # P_hj′ ≤ P_hj e^{‖a_h‖(γ_j + Σ_k P_hk γ_k)} and γ_j + Σ_k P_hk γ_k ≤
-    # ‖e_j + P_h‖ s, ‖e_j + P_h‖² = 1 + 2 P_hj + ‖P_h‖².
-    reach = (1 + 2 * P0 + P0.square().sum(dim=-1, keepdim=True)).sqrt()  # (B, H, N)
     C_a, C_w = a @ a.T, w @ w.mT  # (H, H), (K, B, H, H)
     squares = (C_w.square(), (w @ a.T).square(), C_a.square())  # Γ ∘ Γ (11.9d)
     # Per-head splits τ_h = τ ‖a_h‖/‖w_h‖ (each head's own balance).
@@ -518,10 +519,9 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
     ratio = (a_norm / _unit(w_norm, w_norm > 0)).clamp(small, 1 / small)[..., None]
 
     def at(s: Tensor) -> Tensor:
-        zeta = (a_norm[:, None] * s[:, None, None] * reach).exp()
-        P_bar = torch.minimum(P_ball, (P0 * zeta).clamp(max=1.0))  # (B, H, N)
-        Delta_s = torch.minimum(Delta, a_norm * s[:, None])  # ‖a_h‖ min(s, 2R)
-        eta = torch.maximum(P_bar - P0, P0 * -torch.expm1(-2 * Delta_s)[..., None])
+        P_bar, P_low = class_envelope(P0, a_norm, s, radius)  # (B, H, N)
+        P_bar = torch.minimum(P_ball, P_bar)
+        eta = torch.maximum(P_bar - P0, P0 - torch.maximum(P_floor, P_low))
         P_bar2 = torch.minimum(P_bar.norm(dim=-1),
                                _root(P_bar.amax(dim=-1))).clamp(max=1.0)  # (B, H)
         d_phi = (w_norm * s[:, None] * P_bar2
@@ -544,7 +544,7 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
 
 def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
                               W_v: Tensor, P0: Tensor, P_bar: Tensor,
-                              Delta: Tensor, radius: float, both: Tensor | None = None
+                              P_low: Tensor, radius: float, both: Tensor | None = None
                               ) -> Tensor:
     """Eq. (11.9)–(11.10): a bound on ``−uᵀ r`` (what class
     attention's remainder ``r`` can take off ``uᵀc``; on ``|uᵀ r|`` where
@@ -572,13 +572,13 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
     11.10a) is returned.
 
     ``X`` ``(B, N, D)``, ``delta`` ``(B,)``, ``u`` ``(K, B, H·d_v)``, ``a``
-    ``(H, D)``, ``W_v`` ``(H, D, d_v)``, ``P0, P_bar`` ``(B, H, N)`` and
-    ``Delta`` ``(B, H)`` from :func:`~lipvit.certify.ball.attention.class_ball`
-    on the whole ball; returns ``(K, B)``."""
+    ``(H, D)``, ``W_v`` ``(H, D, d_v)``, ``P0, P_bar, P_low`` ``(B, H, N)`` from
+    :func:`~lipvit.certify.ball.attention.class_ball` on the whole ball;
+    returns ``(K, B)``."""
     w, f, phi = _read_along(X, u, W_v, P0, radius)
     if both is None:
         both = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
-    curvature = _curvature(f, phi, w, a, P0, P_bar, Delta, radius, both)
+    curvature = _curvature(f, phi, w, a, P0, P_bar, P_low, radius, both)
     q = 0.0  # −r_F ≤ Σ_j q_j γ_j²
     for k in range(PIECES):
         near, far = k / PIECES, (k + 1) / PIECES
