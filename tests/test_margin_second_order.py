@@ -32,6 +32,11 @@ what the ascent finds, for every seed:
 - ``side``: the third moment read above the mean instead of below (the side
   that lowers ``uᵀc``). Bites on the same configuration: the token whose
   value stands apart lies below the others.
+- ``mean`` (eq. 11.9f): the third moment's split without its mean term
+  ``(1 + 1/t) Σ_k P̄_k (e_k − E_S)_+``. Bites where a token far below the
+  mean carries little weight and the other token's logit rises as its own
+  falls (:func:`diluted`): half of what the moment takes comes through the
+  other token, whose own excess is small.
 - ``near``: each piece of the segment bounded by the attention at its near
   end instead of its far end (eq. 11.9c). Bites where one token's attention
   grows several-fold and the envelope is close to what it reaches: 256 equal
@@ -61,6 +66,7 @@ what the ascent finds, for every seed:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import pytest
@@ -96,9 +102,10 @@ WEAKENINGS = {
     "cov2": ("_cov_split", [("return tau, 1 / tau", "return tau / 2, 1 / (2 * tau)")]),
     "half": ("_curvature", [("C_a, C_w = a @ a.T, w @ w.mT",
                              "a = a / 2\n    C_a, C_w = a @ a.T, w @ w.mT")]),
-    "third": ("_curvature", [("third = E[..., None] * P_bar  # (K, B, H, N)",
-                              "third = 0 * E[..., None] * P_bar")]),
+    "third": ("_curvature", [("third = _third_moment(e, P_bar)",
+                              "third = 0 * _third_moment(e, P_bar)")]),
     "side": ("_curvature", [("(phi - f).clamp_min(0.0)", "(f - phi).clamp_min(0.0)")]),
+    "mean": ("_third_moment", [("+ (1 + 1 / t) * W)", ")")]),
     "near": ("class_attention_remainder", [(
         "curvature(far * delta)", "curvature(near * delta)")]),
     "projection": ("class_attention_remainder", [(
@@ -203,6 +210,28 @@ def apart(seed: int) -> Case:
     return one_head(seed, 8.0, 0.02, tokens, along_a=False)
 
 
+def diluted(seed: int) -> Case:
+    """Two tokens (two more held off by their positional bias): token 0 at
+    ``1.4 e`` with weight 0.03, token 1 at ``−1.4 e``, ``u`` along ``−e``
+    (``‖a‖ = 40``, ``δ = 0.005``); the witness moves token 0's logit down and
+    token 1's up, each by half the budget. Token 0's value lies far below the
+    mean, and half of what the third moment takes comes through token 1's
+    logit, whose own excess is only what the ball adds: eq. 11.9f's mean
+    term ``P̄_k (e_k − E_S)_+ λ̄²`` carries it."""
+    gen = torch.Generator().manual_seed(seed)
+    delta, a_hat = 0.005, unit(gen)
+    e = unit(gen, a_hat)
+    W_v = orthogonal(8, gen)
+    bias = torch.tensor([[math.log(0.03 / 0.97), 0.0, -30.0, -30.0]], dtype=F64)
+    ca = class_attention(40 * a_hat[None], bias, W_v[None])
+    X = (-1.4 * e).expand(4, 8).clone()
+    X[0] = 1.4 * e
+    witness = X.clone()
+    witness[0] -= delta / 2**0.5 * a_hat
+    witness[1] += delta / 2**0.5 * a_hat
+    return Case(ca, X, delta, -(W_v.T @ e)[None], witness)
+
+
 def tangent(seed: int) -> Case:
     """Four equal tokens ``(R − δ/4) e`` just inside the projection radius,
     content logits nearly off (``‖a‖ = 10⁻³``, uniform attention), ``δ =
@@ -228,6 +257,7 @@ CONFIGURATIONS = {
     "half": lambda seed: uniform(seed, 1.0, 0.05),
     "third": apart,
     "side": apart,
+    "mean": diluted,
     "near": crowded,
     "projection": class_radius,
     "stationary": class_radius,

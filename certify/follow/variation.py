@@ -491,6 +491,45 @@ def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor,
     return best
 
 
+EXCESS = tuple((level, t) for level in (0.75, 0.5, 0.25, 0.0) for t in (0.5, 1.0, 2.0))
+"""The splits ``(E_S / max_j e_j, t)`` tried in the third moment's bound (eq.
+11.9f); ``(1, ·)`` is eq. (11.9e)'s."""
+
+
+def _third_moment(e: Tensor, P_bar: Tensor) -> Tensor:
+    """Eq. (11.9f): weights ``θ_hj`` with ``−E_{P′}[(f − f̄)(λ − λ̄)²] ≤ Σ_j
+    θ_hj λ_j²`` per head, ``e`` ``(K, B, H, N)`` the bound of each token's
+    value below the mean on the ball, ``(f̄′ − f′_j)_+ ≤ e_j``, ``P_bar``
+    ``(B, H, N)``. For any level ``E_S`` and ``t > 0``, ``e_j ≤ E_S + (e_j −
+    E_S)_+`` and ``(λ_j − λ̄)² ≤ (1 + t) λ_j² + (1 + 1/t) λ̄²``, ``λ̄² ≤ Σ_k
+    P̄_k λ_k²`` (Jensen), so
+
+        θ_j = P̄_j (E_S + (1 + t)(e_j − E_S)_+ + (1 + 1/t) Σ_k P̄_k (e_k − E_S)_+)
+
+    (``E_S = max_j e_j`` is eq. 11.9e's ``E⁻ P̄_j``). Of :data:`EXCESS`,
+    each head keeps the split whose largest ``θ_hj`` is least (chosen
+    without a graph; any is sound)."""
+    top = e.amax(dim=-1, keepdim=True)  # (K, B, H, 1)
+    levels = torch.tensor([1.0] + [lv for lv, _ in EXCESS], dtype=e.dtype,
+                          device=e.device)
+    ts = torch.tensor([1.0] + [t for _, t in EXCESS], dtype=e.dtype, device=e.device)
+
+    def theta(level: Tensor, t: Tensor) -> Tensor:
+        E_S = top * level
+        over = (e - E_S).clamp_min(0.0)
+        W = (P_bar * over).sum(dim=-1, keepdim=True)
+        return P_bar * (E_S + (1 + t) * over + (1 + 1 / t) * W)
+
+    with torch.no_grad():
+        best = theta(levels[0], ts[0]).amax(dim=-1, keepdim=True)
+        choice = torch.zeros_like(best, dtype=torch.long)  # (K, B, H, 1)
+        for i in range(1, len(levels)):
+            largest = theta(levels[i], ts[i]).amax(dim=-1, keepdim=True)
+            choice = torch.where(largest < best, i, choice)
+            best = torch.minimum(largest, best)
+    return theta(levels[choice], ts[choice])
+
+
 def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
                P_ball: Tensor, P_floor: Tensor, radius: float, both: Tensor
                ) -> Callable[[Tensor], Tensor]:
@@ -500,7 +539,8 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
     11.9d): ``c_j ≥ λ_max(M_j)``, ``P̄`` the smaller of ``P_ball`` (on the
     whole ball) and eq. (10.1b)'s bound within ``s`` (likewise ``P̲`` the larger
     of ``P_floor`` and eq. 10.1b's), ``E_h ≥
-    max_j (f̄_h − f_hj)_+`` (``|f̄_h − f_hj|`` where ``both``) within ``s``;
+    max_j (f̄_h − f_hj)_+`` (``|f̄_h − f_hj|`` where ``both``) within ``s``,
+    token by token (:func:`_third_moment`, eq. 11.9f);
     Schur's test (11.9) token by token, ``2 √(Σ P̄ ν²) √(Σ P̄ λ²) ≤ τ₀ Σ P̄ ν²
     + Σ P̄ λ²/τ₀``, and the covariance split with one ``τ`` for every head and
     with each head's own balance ``τ_h = τ ‖a_h‖/‖w_h‖``
@@ -526,9 +566,9 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
                                _root(P_bar.amax(dim=-1))).clamp(max=1.0)  # (B, H)
         d_phi = (w_norm * s[:, None] * P_bar2
                  + (eta * dev).sum(dim=-1))  # (K, B, H) ≥ |f̄ − φ_h|
-        E = torch.minimum(low.amax(dim=-1) + w_norm * s[:, None] + d_phi,
-                          2 * radius * w_norm)  # (K, B, H)
-        third = E[..., None] * P_bar  # (K, B, H, N)
+        e = torch.minimum(low + (w_norm * s[:, None] + d_phi)[..., None],
+                          2 * radius * w_norm[..., None])  # (K, B, H, N)
+        third = _third_moment(e, P_bar)  # (K, B, H, N)
         nu, lam = _schur(C_w, P_bar), _schur(C_a, P_bar)  # (K, B, N), (B, N)
         mu_nu, mu_lam = nu.amax(dim=-1), lam.amax(dim=-1)  # (K, B), (B,)
         tau0 = _root(mu_lam / _unit(mu_nu, mu_nu > 0)).clamp(small, 1 / small)
@@ -557,8 +597,9 @@ def class_attention_remainder(X: Tensor, delta: Tensor, u: Tensor, a: Tensor,
 
     at every point of the segment (the softmax an exponential family), so ``−φ_h″ ≤
     2 √(Σ_j P̄_hj ν_j²) √(Σ_j P̄_hj λ_j²) + E_h Σ_j P̄_hj λ_j²`` with ``E_h ≥ max_j
-    (f̄_h − f_hj)_+`` on the ball (eq. 11.9e). Summed over the heads
-    (Cauchy–Schwarz), each sum is a quadratic form ``Σ_j Δ_jᵀ M_j Δ_j ≤ μ δ²``
+    (f̄_h − f_hj)_+`` on the ball (eq. 11.9e; token by token, eq. 11.9f).
+    Summed over the heads (Cauchy–Schwarz), each sum is a quadratic form
+    ``Σ_j Δ_jᵀ M_j Δ_j ≤ μ δ²``
     (``μ`` by :func:`_schur`): ``−F″(t) ≤ δ² (2 √(μ_ν μ_λ) + μ_S)``, or ``δ² max_j
     λ_max(M_j)`` with the covariance split into one quadratic form (eq. 11.9d,
     :func:`_split_curvature`, the least kept), with ``P̄`` and the values' spread
