@@ -33,10 +33,10 @@ what the ascent finds, for every seed:
   that lowers ``uᵀc``). Bites on the same configuration: the token whose
   value stands apart lies below the others.
 - ``mean`` (eq. 11.9f): the third moment's split without its mean term
-  ``(1 + 1/t) Σ_k P̄_k (e_k − E_S)_+``. Bites where a token far below the
-  mean carries little weight and the other token's logit rises as its own
-  falls (:func:`diluted`): half of what the moment takes comes through the
-  other token, whose own excess is small.
+  ``(1 + 1/t) Σ_k P̄_k (e_k − E_S)_+``. Bites where many light tokens lie
+  far below the mean and a heavy token's logit rises (:func:`diluted`):
+  what the moment takes comes through ``λ̄``, the heavy token's own excess
+  being small.
 - ``near``: each piece of the segment bounded by the attention at its near
   end instead of its far end (eq. 11.9c). Bites where one token's attention
   grows several-fold and the envelope is close to what it reaches: 256 equal
@@ -66,7 +66,6 @@ what the ascent finds, for every seed:
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import pytest
@@ -211,25 +210,27 @@ def apart(seed: int) -> Case:
 
 
 def diluted(seed: int) -> Case:
-    """Two tokens (two more held off by their positional bias): token 0 at
-    ``1.4 e`` with weight 0.03, token 1 at ``−1.4 e``, ``u`` along ``−e``
-    (``‖a‖ = 40``, ``δ = 0.005``); the witness moves token 0's logit down and
-    token 1's up, each by half the budget. Token 0's value lies far below the
-    mean, and half of what the third moment takes comes through token 1's
-    logit, whose own excess is only what the ball adds: eq. 11.9f's mean
-    term ``P̄_k (e_k − E_S)_+ λ̄²`` carries it."""
-    gen = torch.Generator().manual_seed(seed)
-    delta, a_hat = 0.005, unit(gen)
-    e = unit(gen, a_hat)
-    W_v = orthogonal(8, gen)
-    bias = torch.tensor([[math.log(0.03 / 0.97), 0.0, -30.0, -30.0]], dtype=F64)
-    ca = class_attention(40 * a_hat[None], bias, W_v[None])
-    X = (-1.4 * e).expand(4, 8).clone()
-    X[0] = 1.4 * e
-    witness = X.clone()
-    witness[0] -= delta / 2**0.5 * a_hat
-    witness[1] += delta / 2**0.5 * a_hat
-    return Case(ca, X, delta, -(W_v.T @ e)[None], witness)
+    """Ten tokens at ``1.4 e`` with weight 0.03 each, one at ``−1.4 e`` with
+    0.7 (five more held off by their positional bias), ``u`` along ``−e``
+    (``‖a‖ = 10``, ``δ = 0.005``); the witness raises the heavy token's logit.
+    The ten light tokens' values lie far below the mean and their logits stay,
+    so what the third moment takes comes through ``λ̄``, the heavy token's
+    own excess being only what the ball adds: eq. 11.9f's mean term
+    ``Σ_k P̄_k (e_k − E_S)_+ λ̄²`` carries it."""
+    def tokens(e: Tensor) -> Tensor:
+        X = (1.4 * e).expand(16, 8).clone()
+        X[10:] = -1.4 * e
+        return X
+
+    case = one_head(seed, 10.0, 0.005, tokens, along_a=False)
+    weights = torch.tensor([0.03] * 10 + [0.7] + [0.0] * 5, dtype=F64)
+    with torch.no_grad():
+        case.module.pos_bias[0] = weights.log().clamp_min(-30.0)
+    a_hat = case.module.key.weight[0].detach()
+    a_hat = a_hat / a_hat.norm()
+    witness = case.x0.clone()
+    witness[10] += case.delta * a_hat
+    return case._replace(witness=witness)
 
 
 def tangent(seed: int) -> Case:

@@ -491,7 +491,7 @@ def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor,
     return best
 
 
-EXCESS = tuple((level, t) for level in (0.75, 0.5, 0.25, 0.0) for t in (0.5, 1.0, 2.0))
+EXCESS = ((0.5, 1.0), (0.25, 1.0), (0.0, 1.0))
 """The splits ``(E_S / max_j e_j, t)`` tried in the third moment's bound (eq.
 11.9f); ``(1, ·)`` is eq. (11.9e)'s."""
 
@@ -516,9 +516,9 @@ def _third_moment(e: Tensor, P_bar: Tensor) -> Tensor:
 
     def theta(level: Tensor, t: Tensor) -> Tensor:
         E_S = top * level
-        over = (e - E_S).clamp_min(0.0)
-        W = (P_bar * over).sum(dim=-1, keepdim=True)
-        return P_bar * (E_S + (1 + t) * over + (1 + 1 / t) * W)
+        excess = P_bar * (e - E_S).clamp_min(0.0)  # P̄_j (e_j − E_S)_+
+        W = excess.sum(dim=-1, keepdim=True)
+        return P_bar * (E_S + (1 + 1 / t) * W) + (1 + t) * excess
 
     with torch.no_grad():
         best = theta(levels[0], ts[0]).amax(dim=-1, keepdim=True)
