@@ -235,8 +235,8 @@ def certify(
     Without --method: the architecture's default (--method's help): `taylor`
     on lipvit's ViT where it can bound it (else `lofast`, with a one-line
     note), `ball` on the hybrid ViT, `margin` on the CaiT (never weaker than
-    `ball`; it follows each margin through attention, about 20× slower:
-    0.48 s a point per eps on the Fashion-MNIST CaiT, one thread). When
+    `ball`; it follows each margin through attention, about 25× slower:
+    0.6 s a point per eps on the Fashion-MNIST CaiT, one thread). When
     nothing is certified the last line names a stronger method, if one was
     not used, before suggesting a smaller eps. taylor's and margin's radius searches
     (their costly part) run only with --radius: a run with taylor,
