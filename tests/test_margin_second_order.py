@@ -25,6 +25,12 @@ what the ascent finds, for every seed:
   the third moment vanishes, ``P̄ ≈ P⁰``.
 - ``half``: the logits' move halved in the quadratic forms (``a / 2``).
   Bites on the same configuration.
+- ``sign`` (eq. 11.9g): the covariance's positive part taken on the side
+  that raises ``uᵀc`` (``S_h⁺`` for ``(−S_h)⁺``). Bites on the same
+  configuration: the values read along ``−a``, so ``S_h⁺ = 0`` and the
+  whole covariance lowers the margin.
+- ``cov2g``: eq. (11.9g)'s factor ``½`` halved (``b_h`` over ``√2``). Bites
+  on the same configuration, where that bound is tight.
 - ``third``: the third-moment term dropped. Bites where one token's value
   stands apart from 15 others and its logit moves, the values read across
   ``a`` (:func:`apart`, ``‖a‖ = 8``, ``δ = 0.02``): the covariance is zero
@@ -101,6 +107,11 @@ WEAKENINGS = {
     "cov2": ("_cov_split", [("return tau, 1 / tau", "return tau / 2, 1 / (2 * tau)")]),
     "half": ("_curvature", [("C_a, C_w = a @ a.T, w @ w.mT",
                              "a = a / 2\n    C_a, C_w = a @ a.T, w @ w.mT")]),
+    "sign": ("_covariance_parts", [(
+        "return scale * (w_hat - a_hat), scale * (w_hat + a_hat)",
+        "return scale * (w_hat + a_hat), scale * (w_hat - a_hat)")]),
+    "cov2g": ("_covariance_parts", [(
+        "_root(w_norm * a_norm / 2)", "_root(w_norm * a_norm / 4)")]),
     "third": ("_curvature", [("third = _third_moment(e, P_bar)",
                               "third = 0 * _third_moment(e, P_bar)")]),
     "side": ("_curvature", [("(phi - f).clamp_min(0.0)", "(f - phi).clamp_min(0.0)")]),
@@ -256,6 +267,8 @@ CONFIGURATIONS = {
     "centre": lambda seed: uniform(seed, 10.0, 0.2),
     "cov2": lambda seed: uniform(seed, 1.0, 0.05),
     "half": lambda seed: uniform(seed, 1.0, 0.05),
+    "sign": lambda seed: uniform(seed, 1.0, 0.05),
+    "cov2g": lambda seed: uniform(seed, 1.0, 0.05),
     "third": apart,
     "side": apart,
     "mean": diluted,
@@ -308,6 +321,23 @@ def test_class_attention_remainder_on_both_sides(seed):
                        case)
         assert found <= two and one <= two, (found, one, two)
     assert one < found <= two, (one, found, two)  # the raising side needs both
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_covariance_that_raises_the_margin_is_not_charged(seed):
+    """Eq. (11.9g): with the values read along ``+a`` every head's covariance
+    raises ``uᵀc`` (``(−S_h)⁺ = 0``), so the one-sided bound keeps only the
+    third moment and the projection's parts; both sides (``|uᵀ r|``) pay the
+    covariance in full. Each bounds what the ascent finds on its side."""
+    case = uniform(seed, 1.0, 0.05)
+    case = case._replace(u=-case.u)
+    found = remainder_brute(case, seed)
+    found_both = remainder_brute(case, seed, both=True)
+    one = bound_of(variation.class_attention_remainder, case)
+    two = bound_of(functools.partial(variation.class_attention_remainder,
+                                     both=torch.ones(1, 1, dtype=torch.bool)), case)
+    assert found <= one and found_both <= two, (found, one, found_both, two)
+    assert one < 0.1 * two, (one, two)
 
 
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))

@@ -491,6 +491,30 @@ def _split_curvature(alpha: Tensor, beta: Tensor, third: Tensor,
     return best
 
 
+def _covariance_parts(w: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. (11.9g): the vectors ``b⁻_h``, ``b⁺_h`` with ``(−S_h)⁺ = b⁻_h b⁻_hᵀ`` and
+    ``S_h⁺ = b⁺_h b⁺_hᵀ``, the positive parts of ``S_h = w_h a_hᵀ + a_h w_hᵀ``
+    (eigenvalues ``w_h · a_h ± ‖w_h‖ ‖a_h‖`` along ``ŵ_h ± â_h``):
+    ``b^∓_h = √(‖w_h‖ ‖a_h‖ / 2) (ŵ_h ∓ â_h)``. ``w`` ``(K, B, H, D)``, ``a``
+    ``(H, D)``; returns two ``(K, B, H, D)``."""
+    w_norm, a_norm = w.norm(dim=-1), a.norm(dim=-1)  # (K, B, H), (H,)
+    w_hat = w / _unit(w_norm, w_norm > 0)[..., None]
+    a_hat = a / _unit(a_norm, a_norm > 0)[..., None]
+    scale = _root(w_norm * a_norm / 2)[..., None]  # (K, B, H, 1)
+    return scale * (w_hat - a_hat), scale * (w_hat + a_hat)
+
+
+def _parts_frobenius(p: Tensor, third: Tensor, squares: tuple[Tensor, ...]) -> Tensor:
+    """``‖Σ_h (p_hj b_h b_hᵀ + third_hj a_h a_hᵀ)‖_F`` per token ``j`` (an upper
+    bound on its ``λ_max``), from the blocks ``(b_h · b_h′)²``, ``(b_h · a_h′)²``
+    ``(K, B, H, H)`` and ``(a_h · a_h′)²`` ``(H, H)`` of the vectors' squared
+    Gram matrix; ``p, third`` ``(…, H, N)``; returns ``(K, B, N)``."""
+    G_bb, G_ba, G_aa = squares
+    square = ((p * (G_bb @ p)).sum(dim=-2) + 2 * (p * (G_ba @ third)).sum(dim=-2)
+              + (third * (G_aa @ third)).sum(dim=-2))
+    return _root(square) * (1 + 1e-12)
+
+
 EXCESS = ((0.5, 1.0), (0.25, 1.0), (0.0, 1.0))
 """The splits ``(E_S / max_j e_j, t)`` tried in the third moment's bound (eq.
 11.9f); ``(1, ·)`` is eq. (11.9e)'s."""
@@ -544,7 +568,10 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
     Schur's test (11.9) token by token, ``2 √(Σ P̄ ν²) √(Σ P̄ λ²) ≤ τ₀ Σ P̄ ν²
     + Σ P̄ λ²/τ₀``, and the covariance split with one ``τ`` for every head and
     with each head's own balance ``τ_h = τ ‖a_h‖/‖w_h‖``
-    (:func:`_split_curvature`). ``f, phi, w`` from :func:`_read_along`;
+    (:func:`_split_curvature`), and the covariance by its positive part
+    head by head (eq. 11.9g, :func:`_covariance_parts`), each token's bound
+    the family's whose largest over the tokens is least. ``f, phi, w`` from
+    :func:`_read_along`;
     ``P0, P_ball, P_floor`` ``(B, H, N)``. What does not depend on ``s`` is
     computed once."""
     w_norm = w.norm(dim=-1)  # (K, B, H)
@@ -557,6 +584,9 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
     # Per-head splits τ_h = τ ‖a_h‖/‖w_h‖ (each head's own balance).
     small = torch.finfo(w_norm.dtype).eps  # any τ_h > 0 is sound; τ_h² stays finite
     ratio = (a_norm / _unit(w_norm, w_norm > 0)).clamp(small, 1 / small)[..., None]
+    # −2 Cov_P(ν, λ) ≤ Σ_j P_j (b⁻_h · Δ_j)², and 2 Cov_P ≤ with b⁺ (eq. 11.9g)
+    parts = [((b @ b.mT).square(), (b @ a.T).square(), squares[2])
+             for b in _covariance_parts(w, a)[:1 + bool(both.any())]]
 
     def at(s: Tensor) -> Tensor:
         P_bar, P_low = class_envelope(P0, a_norm, s, radius)  # (B, H, N)
@@ -576,8 +606,14 @@ def _curvature(f: Tensor, phi: Tensor, w: Tensor, a: Tensor, P0: Tensor,
         nu_coef, lam_coef = _cov_split(tau0)  # (11.9): 2√(μ_ν μ_λ) ≥ the largest
         best = (nu_coef * nu + lam_coef * lam + _schur(C_a, third)) * (1 + 1e-12)
         best = _split_curvature(P_bar, P_bar, third, squares, tau0, best)  # one τ
-        return _split_curvature(ratio * P_bar, P_bar / ratio, third, squares,
+        best = _split_curvature(ratio * P_bar, P_bar / ratio, third, squares,
                                 torch.ones_like(tau0), best)
+        part = _parts_frobenius(P_bar, third, parts[0])  # (K, B, N)
+        if len(parts) > 1:  # |F″| ≤ the larger of the two sides' bounds
+            part = torch.where(both[..., None], torch.maximum(
+                part, _parts_frobenius(P_bar, third, parts[1])), part)
+        better = part.amax(dim=-1) < best.amax(dim=-1)  # (K, B)
+        return torch.where(better[..., None], part, best)
 
     return at
 
