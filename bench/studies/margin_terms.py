@@ -8,7 +8,8 @@ the first-order ceiling ``m_j > ε ‖∇m_j‖`` (not a certificate), and the
 share each site's remainder bound holds back: what the same cuts (eq. 11.8)
 would certify were that one bound halved or removed, and were every site's
 scaled by 1/2, 1/4 or 1/10 at once (not certificates: where a tighter bound
-would pay); then, at each
+would pay); for each point the ceiling certifies and ``ball`` does not, the
+factor all remainder bounds would need; then, at each
 correctly classified point's tightest wrong class (the least slack under
 ``margin``), the medians of the margin, its first-order term, ``ball``'s and
 ``margin``'s drop bounds and every site's remainder bound; on a CaiT, the
@@ -99,6 +100,17 @@ def hessian_term(ca, X: torch.Tensor, u: torch.Tensor, delta: torch.Tensor,
     return delta**2 / 2 * out
 
 
+def needed_scale(M, first, rest, ball, ok) -> list[float]:
+    """For each correctly classified point that the first-order ceiling
+    certifies and ``ball`` does not: the factor every remainder bound would
+    need (at most) for the first-order-plus-remainders cut to certify it,
+    ``min_j (m_j − first_j) / Σ rest_j`` (not a certificate), sorted."""
+    total = sum(rest)
+    between = ok & (M > first).all(dim=0) & ~(M > ball).all(dim=0)
+    scale = ((M - first) / total.clamp_min(1e-300)).amin(dim=0)
+    return sorted(float(v) for v in scale[between])
+
+
 def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
     mc = margin_certificate(model, x, y)
     e = torch.full((len(y),), eps, dtype=x.dtype)
@@ -125,6 +137,7 @@ def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
            "if_removed": [scaled(i, 0.0) for i in range(len(rest))],
            "if_all_scaled": {f: share(least_cut(first, [r * f for r in rest], cuts,
                                                 ball)) for f in (0.5, 0.25, 0.1)},
+           "between_ball_and_ceiling": needed_scale(M, first, rest, ball_drop, ok),
            "tightest_class_medians": {"margin": med(M), "first_order": med(first),
                                       "ball_drop": med(ball_drop),
                                       "margin_drop": med(own)},
@@ -181,6 +194,9 @@ def main() -> None:
             f"{s['site']} {h:.3f}/{z:.3f}" for s, h, z in zip(
                 r["site_remainders"], r["if_halved"], r["if_removed"], strict=True)))
         print(f"  certified were every bound scaled: {r['if_all_scaled']}")
+        print("  points between ball and the first-order ceiling, the factor their "
+              "remainder bounds need: " + ", ".join(
+                  f"{v:.2f}" for v in r["between_ball_and_ceiling"]))
         if "class_attention" in r:
             print(f"  class attention: {r['class_attention']}")
     write_json(args.out, __file__,
