@@ -100,15 +100,13 @@ def hessian_term(ca, X: torch.Tensor, u: torch.Tensor, delta: torch.Tensor,
     return delta**2 / 2 * out
 
 
-def needed_scale(M, first, rest, ball, ok) -> list[float]:
-    """For each correctly classified point that the first-order ceiling
-    certifies and ``ball`` does not: the factor every remainder bound would
-    need (at most) for the first-order-plus-remainders cut to certify it,
-    ``min_j (m_j − first_j) / Σ rest_j`` (not a certificate), sorted."""
-    total = sum(rest)
-    between = ok & (M > first).all(dim=0) & ~(M > ball).all(dim=0)
-    scale = ((M - first) / total.clamp_min(1e-300)).amin(dim=0)
-    return sorted(float(v) for v in scale[between])
+def needed_scale(M, first, rest, points) -> list[float]:
+    """For each of ``points`` (``(B,)`` bool): the factor every remainder
+    bound would need (at most) for the first-order-plus-remainders cut to
+    certify it, ``min_j (m_j − first_j) / Σ rest_j`` (not a certificate),
+    sorted."""
+    scale = ((M - first) / sum(rest).clamp_min(1e-300)).amin(dim=0)
+    return sorted(float(v) for v in scale[points])
 
 
 def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
@@ -123,8 +121,11 @@ def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
     def med(t: torch.Tensor) -> float:
         return float(t[k, idx][ok].median())
 
+    def certifies(bound: torch.Tensor) -> torch.Tensor:
+        return (M > bound).all(dim=0) & ok
+
     def share(bound: torch.Tensor) -> float:
-        return float(((M > bound).all(dim=0) & ok).double().mean())
+        return float(certifies(bound).double().mean())
 
     def scaled(i: int, factor: float) -> float:
         """The share certified with site ``i``'s remainder bound times ``factor``."""
@@ -137,7 +138,8 @@ def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
            "if_removed": [scaled(i, 0.0) for i in range(len(rest))],
            "if_all_scaled": {f: share(least_cut(first, [r * f for r in rest], cuts,
                                                 ball)) for f in (0.5, 0.25, 0.1)},
-           "between_ball_and_ceiling": needed_scale(M, first, rest, ball_drop, ok),
+           "between_ball_and_ceiling": needed_scale(
+               M, first, rest, certifies(first) & ~certifies(ball_drop)),
            "tightest_class_medians": {"margin": med(M), "first_order": med(first),
                                       "ball_drop": med(ball_drop),
                                       "margin_drop": med(own)},
