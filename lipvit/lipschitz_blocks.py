@@ -27,6 +27,7 @@ symbol        variable            meaning
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -168,11 +169,16 @@ class ConvTokens(nn.Module):
         self.embed = capped_linear(8 * w, D)
         self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_patches, D))
 
-    def tokens(self, x: Tensor) -> Tensor:
-        """Images ``(B, C, S, S)`` to the first block's tokens ``(B, N, D)``."""
+    def tokens(self, x: Tensor,
+               activation: Callable[[Tensor, int], Tensor] | None = None) -> Tensor:
+        """Images ``(B, C, S, S)`` to the first block's tokens ``(B, N, D)``;
+        ``activation(z, i)`` in place of stage ``i``'s MaxMin if given (the
+        ``margin`` certificate's chord slopes, docs/math.md eq. 11.13)."""
         x = x - self.mean
-        for conv in self.stem:
-            x = F.pixel_unshuffle(max_min(conv(x), dim=1), 2)  # (B, 4c, S', S')
+        for i, conv in enumerate(self.stem):
+            z = conv(x)
+            z = max_min(z, dim=1) if activation is None else activation(z, i)
+            x = F.pixel_unshuffle(z, 2)  # (B, 4c, S', S')
         return self.embed(x.flatten(2).mT) + self.pos_embed  # (B, N, D)
 
     def init_head(self) -> None:

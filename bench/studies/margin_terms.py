@@ -12,7 +12,10 @@ would pay); for each point the ceiling certifies and ``ball`` does not, the
 factor all remainder bounds would need; then, at each
 correctly classified point's tightest wrong class (the least slack under
 ``margin``), the medians of the margin, its first-order term, ``ball``'s and
-``margin``'s drop bounds and every site's remainder bound; on a CaiT, the
+``margin``'s drop bounds and every site's remainder bound (the site terms
+and the what-ifs are those of the gradient's linearisation; the share it
+certifies without the stem's chords, eq. 11.13, and the chords' first-order
+term and stem remainders are reported beside); on a CaiT, the
 median of class attention's remainder bound along that margin and of the
 largest remainder projected gradient ascent finds inside the ball of its
 input (``--steps`` steps from ``--starts`` random points, both signs: a lower
@@ -145,6 +148,11 @@ def measure(model, x, y, eps: float, steps: int, starts: int) -> dict:
                                       "margin_drop": med(own)},
            "site_remainders": [{"site": type(s.module).__name__, "median": med(r)}
                                for s, r in zip(mc.sites, rest, strict=True)]}
+    # The stem by its chords (eq. 11.13): what margin certifies without them.
+    chord, stem_rest, _ = mc.chord_terms(e)
+    out["gradient_linearisation_certified"] = share(least_cut(first, rest, cuts, ball))
+    out["chord_medians"] = {"first_order": med(chord),
+                            "stem_remainders": [med(r) for r in stem_rest]}
     site = next((s for s in mc.sites if isinstance(s.module, ClassAttention)), None)
     if site is not None:
         i = mc.sites.index(site)
@@ -199,6 +207,9 @@ def main() -> None:
         print("  points between ball and the first-order ceiling, the factor their "
               "remainder bounds need: " + ", ".join(
                   f"{v:.2f}" for v in r["between_ball_and_ceiling"]))
+        print(f"  with the gradient's linearisation only (no chords, eq. 11.13): "
+              f"{r['gradient_linearisation_certified']:.3f}; the chords' medians: "
+              f"{r['chord_medians']}")
         if "class_attention" in r:
             print(f"  class attention: {r['class_attention']}")
     write_json(args.out, __file__,

@@ -22,6 +22,9 @@ Class attention's remainder is the smaller of its gradient-turn bound (eq.
 11.5) and its second-order bound (eq. 11.9–11.10); a CaiT's head MaxMin
 bounds each pair's move by the same first-order-plus-remainder along the
 pair's direction (eq. 11.11), not by ``ball``'s radius of the class token.
+The stem's MaxMin pairs are also linearised by their chords instead of their
+gradients at the point (eq. 11.13, :meth:`MarginCertificate.chord_terms`);
+each margin takes the least cut of both.
 """
 
 from __future__ import annotations
@@ -44,7 +47,11 @@ from ..ball.network import BallChain, ball_chain
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
 from .variation import (
+    CHORD_REACH,
     capped_maxmin_remainder,
+    chord_max_min,
+    chord_remainder,
+    chord_slopes,
     class_attention_remainder,
     class_attention_variation,
     coupled_maxmin_remainder,
@@ -69,13 +76,16 @@ class Site(NamedTuple):
 
 
 def _record(model: nn.Module, x: Tensor, y: Tensor, targets: Tensor | None = None,
-            create_graph: bool = False) -> tuple[Tensor, Tensor, list[Site]]:
-    """Logits, ``‖∇ₓ m_j‖`` ``(K, B)`` and the :class:`Site` list of ``model``
-    at ``x``: forward hooks keep every site's input and output; one batched
+            create_graph: bool = False
+            ) -> tuple[Tensor, Tensor, list[Site], Tensor]:
+    """Logits, ``‖∇ₓ m_j‖`` ``(K, B)``, the :class:`Site` list of ``model``
+    at ``x`` and the margins' gradients at the stem's tokens ``(K, B, N,
+    D)``: forward hooks keep every site's input and output; one batched
     backward pass (a vector ``e_y − e_j`` per class: every class, or the
     classes ``targets`` ``(B, K)``) gives the margins' gradients at all of
     them. With ``create_graph`` everything stays differentiable (training)."""
     kept: list[tuple[nn.Module, Tensor, Tensor]] = []
+    tokens: list[Tensor] = []  # the embedding's output (positions add nothing)
     maxmin_inputs = [*model.stem, model.head_hidden]
     maxmin_inputs += [m.fc1 for m in model.modules() if isinstance(m, GatedMLP)]
 
@@ -87,6 +97,8 @@ def _record(model: nn.Module, x: Tensor, y: Tensor, targets: Tensor | None = Non
     modules = [*maxmin_inputs, *(m for m in model.modules()
                                  if isinstance(m, GatedAttention | ClassAttention))]
     handles = [m.register_forward_hook(hook) for m in modules]
+    handles.append(model.embed.register_forward_hook(
+        lambda module, args, out: tokens.append(out)))
     x = x.detach().requires_grad_(True)
     try:
         with torch.enable_grad():
@@ -94,16 +106,17 @@ def _record(model: nn.Module, x: Tensor, y: Tensor, targets: Tensor | None = Non
             eye = torch.eye(logits.shape[1], dtype=x.dtype, device=x.device)
             wrong = eye[:, None, :] if targets is None else eye[targets.mT]
             E = eye[y][None] - wrong  # (K, B, classes)
-            grads = torch.autograd.grad(logits, [x, *(out for _, _, out in kept)],
+            grads = torch.autograd.grad(logits, [x, *(out for _, _, out in kept),
+                                                 *tokens],
                                         grad_outputs=E, is_grads_batched=True,
                                         create_graph=create_graph)
     finally:
         for h in handles:
             h.remove()
-    sites = [Site(m, z, g) for (m, z, _), g in zip(kept, grads[1:], strict=True)]
+    sites = [Site(m, z, g) for (m, z, _), g in zip(kept, grads[1:-1], strict=True)]
     if not create_graph:
         logits = logits.detach()
-    return logits, grads[0].flatten(2).norm(dim=-1), sites
+    return logits, grads[0].flatten(2).norm(dim=-1), sites, grads[-1]
 
 
 class MarginCertificate:
@@ -127,7 +140,9 @@ class MarginCertificate:
     def __init__(self, chain: Chain, model: nn.Module, x: Tensor, y: Tensor, *,
                  targets: Tensor | None = None, differentiable: bool = False):
         self.chain, self.model, self.differentiable = chain, model, differentiable
-        logits, self.gx_norm, self.sites = _record(model, x, y, targets, differentiable)
+        logits, self.gx_norm, self.sites, self.g_tokens = _record(
+            model, x, y, targets, differentiable)
+        self.x = x
         with torch.no_grad():
             one = torch.ones((), dtype=x.dtype, device=x.device)
             self.correct = logits.argmax(dim=1) == y
@@ -137,6 +152,8 @@ class MarginCertificate:
                 L = L * conv_operator_norm(conv.weight,
                                            conv.parametrizations.weight[0].size)
                 self.stem_L.append(L)
+            # Each stem pair's own reach per unit input move: ‖W_a[p] − W_b[p]‖.
+            self.pair_norms = [_difference_rows(conv.weight) for conv in model.stem]
             self.W1 = {id(m.fc1): spectral_norm(m.fc1.weight) * (1 + 1e-12)
                        for m in model.modules() if isinstance(m, GatedMLP)}
             # ‖W_a − W_b‖ of each map MaxMin reads: its pairs' reach (eq. 11.3b).
@@ -297,12 +314,58 @@ class MarginCertificate:
             ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
             return eps * self.gx_norm, rest, cuts, ball.mT
 
+    def chord_terms(self, eps: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Eq. (11.13): the stem's MaxMin pairs linearised by chord slopes
+        (:func:`.variation.chord_slopes` on :data:`.variation.CHORD_REACH` of
+        each pair's own reach ``‖v_p‖ δ_in``) instead of their gradients at
+        the point: the first-order term ``ε ‖∇̃ₓ m_j‖`` ``(K, B)``, and per
+        stem MaxMin its two-sided remainder bound and the cut after it,
+        ``δ ‖g̃‖`` at its output, ``(K, B)`` each. The maps after the stem keep
+        their exact Jacobians: their gradients, remainders and cuts are
+        :meth:`terms`'."""
+        stem = self.sites[:len(self.model.stem)]  # the stem's sites come first
+        slopes, delta_in, outs = [], [], []
+        for i, site in enumerate(stem):
+            a, b = site.z.chunk(2, dim=1)  # (B, c, S', S') each
+            delta_in.append(eps * (self.stem_L[i - 1] if i else 1))
+            reach = CHORD_REACH * self.pair_norms[i][:, None, None] * delta_in[i][
+                :, None, None, None]
+            slopes.append(chord_slopes(a - b, reach))
+
+        def activation(z: Tensor, i: int) -> Tensor:
+            outs.append(chord_max_min(z, slopes[i]))
+            return outs[-1]
+
+        x = self.x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            t = self.model.tokens(x, activation)
+            grads = torch.autograd.grad(t, [x, *outs], grad_outputs=self.g_tokens,
+                                        is_grads_batched=True)
+        rest, cuts = [], []
+        for i, (site, s, g) in enumerate(zip(stem, slopes, grads[1:], strict=True)):
+            a, b = site.z.chunk(2, dim=1)
+            g1, g2 = g.chunk(2, dim=2)  # (K, B, c, S', S') at max and min
+            kappa = (g1 - g2).flatten(2)  # (K, B, P)
+            R = 2**0.5 * pair_radius(eps * self.stem_L[i], delta_in[i],
+                                     self.V[id(site.module)])  # Σ Δd_p² ≤ R²
+            rest.append(chord_remainder(kappa, (a - b).flatten(1).expand_as(kappa),
+                                        s.flatten(1).expand_as(kappa), R))
+            cuts.append(eps * self.stem_L[i] * g.flatten(2).norm(dim=-1))
+        return eps * grads[0].flatten(2).norm(dim=-1), rest, cuts
+
     def drops(self, eps: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, K)`` bounds of each margin's drop on the ε-ball, ``margin``'s
-        (:func:`least_cut` of :meth:`terms`) and ``ball``'s ``ε L(x, ε) ‖w_y −
-        w_j‖`` (the last cut), both rounded up. ``eps`` ``(B,)``."""
+        (:func:`least_cut` of :meth:`terms`, and of the same terms with the
+        stem's from :meth:`chord_terms` unless differentiable) and
+        ``ball``'s ``ε L(x, ε) ‖w_y − w_j‖`` (the last cut), both rounded up.
+        ``eps`` ``(B,)``."""
         first, rest, cuts, ball = self.terms(eps)
         best = least_cut(first, rest, cuts, ball)
+        if not self.differentiable:  # training reads the larger bound
+            chord, stem_rest, stem_cuts = self.chord_terms(eps)
+            n = len(stem_rest)
+            best = torch.minimum(best, least_cut(chord, [*stem_rest, *rest[n:]],
+                                                 [*stem_cuts, *cuts[n:]], ball))
         return best.mT * (1 + ROUNDING), ball.mT * (1 + ROUNDING)
 
     def certified(self, eps: Tensor | float) -> Tensor:
@@ -344,6 +407,14 @@ def least_cut(first: Tensor, rest: list[Tensor], cuts: list, ball: Tensor) -> Te
             best = torch.minimum(best, cut + after)
         after = after + r
     return torch.minimum(best, first + after)
+
+
+def _difference_rows(weight: Tensor) -> Tensor:
+    """``‖W_a[p] − W_b[p]‖`` per output pair ``p`` of a convolution whose
+    outputs MaxMin pairs as halves ``a, b``, ``(P,)``: how far pair ``p``'s
+    difference moves per unit move of the input (eq. 11.13)."""
+    a, b = weight.chunk(2, dim=0)
+    return (a - b).flatten(1).norm(dim=1)
 
 
 def _difference_norm(layer: nn.Module) -> Tensor:

@@ -120,6 +120,76 @@ def pair_radius(delta: Tensor, delta_in: Tensor, V_norm: Tensor) -> Tensor:
     return torch.minimum(delta, V_norm * delta_in / 2**0.5)
 
 
+CHORD_REACH = 0.3
+"""The share ``θ`` of each stem pair's own reach on which :func:`chord_slopes`
+draws its chord (any slope is sound; 0.3 certified most of 0.1, 0.3, 0.6 and
+1 on the content-2 CaiT's first 50 test points at ε = 0.5, docs/math.md
+eq. 11.13)."""
+
+CHORD_MULTIPLIERS = 25
+"""Multipliers ``λ`` tried in :func:`chord_remainder`'s dual, ``λ₀ 2^{k/2}``,
+``|k| ≤ 12``."""
+
+
+def chord_slopes(d: Tensor, reach: Tensor) -> Tensor:
+    """Eq. (11.13): the slope of the chord of ``ReLU`` over ``[d − ρ, d + ρ]``
+    per MaxMin pair, ``d`` its difference ``a − b`` and ``ρ`` (``reach``,
+    broadcast to ``d``) how far it is taken to move: 1 where the interval
+    stays above 0, 0 where below, ``(d + ρ)/(2ρ)`` where it straddles the kink
+    (DeepZ's slope). A choice, not a bound: any slope is sound."""
+    lo, hi = d - reach, d + reach
+    straddle = (lo < 0) & (hi > 0)
+    slope = hi / _unit(hi - lo, straddle)
+    return torch.where(straddle, slope, (lo >= 0).to(d.dtype))
+
+
+def chord_remainder(kappa: Tensor, d: Tensor, s: Tensor, R: Tensor) -> Tensor:
+    """Eq. (11.13): a bound on ``−Σ_p κ_p ρ_p(t_p)`` over ``Σ_p t_p² ≤ R²``,
+    where ``ρ_p(t) = ReLU(d_p + t) − ReLU(d_p) − s_p t`` is what a MaxMin
+    pair linearised with slope ``s_p`` leaves when its difference ``d_p``
+    moves by ``t``, and ``κ_p = g₁ − g₂`` the gradients at its outputs: for
+    every ``λ > 0``
+
+        max Σ_p −κ_p ρ_p(t_p) ≤ λ R² + Σ_p max_{|t| ≤ R} (−κ_p ρ_p(t) − λ t²)
+
+    (weak duality; every ``|t_p| ≤ R`` on the ball). ``ρ_p`` is linear on each
+    side of ``t = −d_p`` (slopes ``1 − s_p`` and ``−s_p``), so each inner
+    maximum is a concave quadratic's on two intervals, at its stationary
+    point clamped into each (an empty one skipped); two-sided
+    (``s_p`` strictly between 0 and 1 leaves a remainder either way). The
+    least over :data:`CHORD_MULTIPLIERS` values of ``λ``. ``kappa, d, s``
+    ``(K, B, P)``, ``R`` ``(B,)``; returns ``(K, B)``."""
+    R2, Rp = R**2, R[:, None]  # (B,), (B, 1)
+    kink = s * d - d.clamp_min(0.0)  # ρ_p(−d_p)
+    lam0 = _root((kappa**2).sum(dim=-1) / (4 * _unit(R2, R2 > 0)))  # (K, B)
+    best = torch.full_like(lam0, torch.inf)
+    for k in range(-(CHORD_MULTIPLIERS // 2), CHORD_MULTIPLIERS // 2 + 1):
+        lam = (lam0 * 2 ** (k / 2))[..., None]  # (K, B, 1)
+        inner = torch.zeros_like(kappa)
+        for slope, above in ((1 - s, True), (-s, False)):  # t ≥ −d_p, t ≤ −d_p
+            lo = torch.maximum(-d, -Rp) if above else -Rp.expand_as(d)
+            hi = Rp.expand_as(d) if above else torch.minimum(-d, Rp)
+            t = torch.minimum(torch.maximum(-kappa * slope / (2 * lam), lo), hi)
+            moved = kink + slope * (t + d)  # ρ_p(t)
+            value = -kappa * moved - lam * t**2
+            value = value + 1e-12 * (kappa.abs() * (kink.abs() + moved.abs())
+                                     + lam * t**2)  # its rounding
+            inner = torch.where(lo <= hi, torch.maximum(inner, value), inner)
+        best = torch.minimum(best, lam[..., 0] * R2 * (1 + 1e-12) + inner.sum(dim=-1))
+    zero = (kappa == 0).all(dim=-1) | (R2 == 0)
+    return torch.where(zero, torch.zeros_like(best), best)
+
+
+def chord_max_min(z: Tensor, s: Tensor) -> Tensor:
+    """MaxMin over channels (``dim=1``) of ``z`` ``(B, 2c, ...)``, the same
+    values as :func:`lipvit.layers.max_min`, differentiated as if each pair's
+    ``ReLU(a − b)`` had slope ``s`` ``(B, c, ...)`` (eq. 11.13)."""
+    a, b = z.chunk(2, dim=1)
+    d = a - b
+    r = torch.relu(d).detach() + s * (d - d.detach())
+    return torch.cat([b + r, a - r], dim=1)
+
+
 def lowered_gap(a: Tensor, b: Tensor) -> Tensor:
     """MaxMin pairs' gaps ``|a − b|`` lowered by their float error (towards a
     flip, so that no pair that can flip is missed), at least 0: a pair whose
