@@ -314,15 +314,14 @@ class MarginCertificate:
             ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
             return eps * self.gx_norm, rest, cuts, ball.mT
 
-    def chord_terms(self, eps: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """Eq. (11.13): the stem's MaxMin pairs linearised by chord slopes
-        (:func:`.variation.chord_slopes` on :data:`.variation.CHORD_REACH` of
-        each pair's own reach ``‖v_p‖ δ_in``) instead of their gradients at
-        the point: the first-order term ``ε ‖∇̃ₓ m_j‖`` ``(K, B)``, and per
-        stem MaxMin its two-sided remainder bound and the cut after it,
-        ``δ ‖g̃‖`` at its output, ``(K, B)`` each. The maps after the stem keep
-        their exact Jacobians: their gradients, remainders and cuts are
-        :meth:`terms`'."""
+    def _chord_linear(self, eps: Tensor) -> tuple[Tensor, list[Tensor], list[tuple]]:
+        """Eq. (11.13)'s linear part: the stem's MaxMin pairs linearised by
+        chord slopes (:func:`.variation.chord_slopes` on
+        :data:`.variation.CHORD_REACH` of each pair's own reach ``‖v_p‖
+        δ_in``), the first-order term ``ε ‖∇̃ₓ m_j‖`` ``(K, B)``, per stem
+        MaxMin the cut after it (``δ ‖g̃‖`` at its output, ``(K, B)``) and the
+        arguments of :func:`.variation.chord_remainder` (``κ`` ``(K, B, P)``,
+        ``d, s`` ``(B, P)``, ``R`` ``(B,)``)."""
         stem = self.sites[:len(self.model.stem)]  # the stem's sites come first
         slopes, delta_in, outs = [], [], []
         for i, site in enumerate(stem):
@@ -341,29 +340,67 @@ class MarginCertificate:
             t = self.model.tokens(x, activation)
             grads = torch.autograd.grad(t, [x, *outs], grad_outputs=self.g_tokens,
                                         is_grads_batched=True)
-        rest, cuts = [], []
+        pairs, cuts = [], []
         for i, (site, s, g) in enumerate(zip(stem, slopes, grads[1:], strict=True)):
             a, b = site.z.chunk(2, dim=1)
             g1, g2 = g.chunk(2, dim=2)  # (K, B, c, S', S') at max and min
-            kappa = (g1 - g2).flatten(2)  # (K, B, P)
             R = 2**0.5 * pair_radius(eps * self.stem_L[i], delta_in[i],
                                      self.V[id(site.module)])  # Σ Δd_p² ≤ R²
-            rest.append(chord_remainder(kappa, (a - b).flatten(1).expand_as(kappa),
-                                        s.flatten(1).expand_as(kappa), R))
+            pairs.append(((g1 - g2).flatten(2), (a - b).flatten(1), s.flatten(1), R))
             cuts.append(eps * self.stem_L[i] * g.flatten(2).norm(dim=-1))
-        return eps * grads[0].flatten(2).norm(dim=-1), rest, cuts
+        return eps * grads[0].flatten(2).norm(dim=-1), cuts, pairs
+
+    def chord_terms(self, eps: Tensor, need: Tensor | None = None
+                    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Eq. (11.13): the stem's MaxMin pairs linearised by their chords
+        instead of their gradients at the point (:meth:`_chord_linear`): the
+        first-order term ``ε ‖∇̃ₓ m_j‖`` ``(K, B)``, and per stem MaxMin its
+        two-sided remainder bound (:func:`.variation.chord_remainder`; ``+inf``
+        at the points ``need`` ``(B,)`` leaves out) and the cut after it,
+        ``(K, B)`` each. The maps after the stem keep their exact Jacobians:
+        their gradients, remainders and cuts are :meth:`terms`'."""
+        first, cuts, pairs = self._chord_linear(eps)
+        return first, [self._chord_remainder(*p, need) for p in pairs], cuts
+
+    @staticmethod
+    def _chord_remainder(kappa: Tensor, d: Tensor, s: Tensor, R: Tensor,
+                         need: Tensor | None) -> Tensor:
+        """:func:`.variation.chord_remainder` at the points ``need`` ``(B,)``
+        (every point if ``None``), ``+inf`` elsewhere; ``(K, B)``."""
+        if need is None:
+            return chord_remainder(kappa, d.expand_as(kappa), s.expand_as(kappa), R)
+        out = torch.full_like(kappa[..., 0], torch.inf)
+        if need.any():
+            k = kappa[:, need]
+            out[:, need] = chord_remainder(k, d[need].expand_as(k),
+                                           s[need].expand_as(k), R[need])
+        return out
 
     def drops(self, eps: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, K)`` bounds of each margin's drop on the ε-ball, ``margin``'s
         (:func:`least_cut` of :meth:`terms`, and of the same terms with the
         stem's from :meth:`chord_terms` unless differentiable) and
         ``ball``'s ``ε L(x, ε) ‖w_y − w_j‖`` (the last cut), both rounded up.
-        ``eps`` ``(B,)``."""
+        ``eps`` ``(B,)``.
+
+        The chords' remainders are computed only where they can change
+        :meth:`certified`: at correctly classified points that the gradient's
+        linearisation leaves uncertified and where every margin is certified
+        by it or by the chords' cut with the stem's remainders taken as 0.
+        Elsewhere they are ``+inf`` (the bound stays a bound, and no point's
+        verdict changes)."""
         first, rest, cuts, ball = self.terms(eps)
         best = least_cut(first, rest, cuts, ball)
         if not self.differentiable:  # training reads the larger bound
-            chord, stem_rest, stem_cuts = self.chord_terms(eps)
-            n = len(stem_rest)
+            chord, stem_cuts, pairs = self._chord_linear(eps)
+            n = len(pairs)
+            M = self.margins.mT  # (K, B)
+            lowest = least_cut(chord, [torch.zeros_like(chord)] * n + rest[n:],
+                               [*stem_cuts, *cuts[n:]], ball)
+            passes = M > best * (1 + ROUNDING)
+            need = self.correct & ~passes.all(dim=0) & (
+                passes | (M > lowest * (1 + ROUNDING))).all(dim=0)
+            stem_rest = [self._chord_remainder(*p, need) for p in pairs]
             best = torch.minimum(best, least_cut(chord, [*stem_rest, *rest[n:]],
                                                  [*stem_cuts, *cuts[n:]], ball))
         return best.mT * (1 + ROUNDING), ball.mT * (1 + ROUNDING)
