@@ -28,6 +28,7 @@ from lipvit.certify.certification import ROUNDING
 from lipvit.certify.follow import variation
 from lipvit.certify.follow.network import least_cut, margin_certificate
 from lipvit.certify.follow.variation import (
+    CHORD_REACHES,
     chord_max_min,
     chord_remainder,
     chord_slopes,
@@ -140,16 +141,18 @@ def test_the_chord_cut_lowers_margins_bounds_and_drops_keeps_verdicts(trained_ca
         eps = torch.full((60,), value, dtype=F64)
         first, rest, cuts, ball = cert.terms(eps)
         plain = least_cut(first, rest, cuts, ball)
-        chord, stem_rest, stem_cuts = cert.chord_terms(eps)
-        n = len(stem_rest)
-        other = least_cut(chord, [*stem_rest, *rest[n:]], [*stem_cuts, *cuts[n:]],
-                          ball)
+        other = plain
+        for theta in CHORD_REACHES:
+            chord, stem_rest, stem_cuts = cert.chord_terms(eps, theta=theta)
+            n = len(stem_rest)
+            other = torch.minimum(other, least_cut(
+                chord, [*stem_rest, *rest[n:]], [*stem_cuts, *cuts[n:]], ball))
         wrong = torch.isfinite(cert.margins.mT)
         assert (other < plain)[wrong].any()
         # drops computes the chords' remainders only where they can change a
         # verdict: never below the least of both, never above the gradient's,
         # and the same verdicts as the least of both.
-        full = torch.minimum(plain, other) * (1 + ROUNDING)
+        full = other * (1 + ROUNDING)
         own, _ = cert.drops(eps)
         assert torch.all(own.mT >= full) and torch.all(own.mT <= plain * (1 + ROUNDING))
         verdict = (cert.margins.mT > full).all(dim=0) & cert.correct

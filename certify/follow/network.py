@@ -47,7 +47,7 @@ from ..ball.network import BallChain, ball_chain
 from ..certification import ROUNDING, bisect_radius
 from ..global_bound import Chain, pair_constants, pair_margins, proven_chain
 from .variation import (
-    CHORD_REACH,
+    CHORD_REACHES,
     capped_maxmin_remainder,
     chord_max_min,
     chord_remainder,
@@ -314,20 +314,21 @@ class MarginCertificate:
             ball = (eps * bc.L)[:, None] * self.pair  # (B, K)
             return eps * self.gx_norm, rest, cuts, ball.mT
 
-    def _chord_linear(self, eps: Tensor) -> tuple[Tensor, list[Tensor], list[tuple]]:
+    def _chord_linear(self, eps: Tensor, theta: float
+                      ) -> tuple[Tensor, list[Tensor], list[tuple]]:
         """Eq. (11.13)'s linear part: the stem's MaxMin pairs linearised by
-        chord slopes (:func:`.variation.chord_slopes` on
-        :data:`.variation.CHORD_REACH` of each pair's own reach ``‖v_p‖
-        δ_in``), the first-order term ``ε ‖∇̃ₓ m_j‖`` ``(K, B)``, per stem
-        MaxMin the cut after it (``δ ‖g̃‖`` at its output, ``(K, B)``) and the
-        arguments of :func:`.variation.chord_remainder` (``κ`` ``(K, B, P)``,
-        ``d, s`` ``(B, P)``, ``R`` ``(B,)``)."""
+        chord slopes (:func:`.variation.chord_slopes` on ``theta`` of each
+        pair's own reach ``‖v_p‖ δ_in``), the first-order term ``ε ‖∇̃ₓ
+        m_j‖`` ``(K, B)``, per stem MaxMin the cut after it (``δ ‖g̃‖`` at its
+        output, ``(K, B)``) and the arguments of
+        :func:`.variation.chord_remainder` (``κ`` ``(K, B, P)``, ``d, s`` ``(B,
+        P)``, ``R`` ``(B,)``)."""
         stem = self.sites[:len(self.model.stem)]  # the stem's sites come first
         slopes, delta_in, outs = [], [], []
         for i, site in enumerate(stem):
             a, b = site.z.chunk(2, dim=1)  # (B, c, S', S') each
             delta_in.append(eps * (self.stem_L[i - 1] if i else 1))
-            reach = CHORD_REACH * self.pair_norms[i][:, None, None] * delta_in[i][
+            reach = theta * self.pair_norms[i][:, None, None] * delta_in[i][
                 :, None, None, None]
             slopes.append(chord_slopes(a - b, reach))
 
@@ -350,7 +351,8 @@ class MarginCertificate:
             cuts.append(eps * self.stem_L[i] * g.flatten(2).norm(dim=-1))
         return eps * grads[0].flatten(2).norm(dim=-1), cuts, pairs
 
-    def chord_terms(self, eps: Tensor, need: Tensor | None = None
+    def chord_terms(self, eps: Tensor, need: Tensor | None = None,
+                    theta: float = CHORD_REACHES[0]
                     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """Eq. (11.13): the stem's MaxMin pairs linearised by their chords
         instead of their gradients at the point (:meth:`_chord_linear`): the
@@ -359,7 +361,7 @@ class MarginCertificate:
         at the points ``need`` ``(B,)`` leaves out) and the cut after it,
         ``(K, B)`` each. The maps after the stem keep their exact Jacobians:
         their gradients, remainders and cuts are :meth:`terms`'."""
-        first, cuts, pairs = self._chord_linear(eps)
+        first, cuts, pairs = self._chord_linear(eps, theta)
         return first, [self._chord_remainder(*p, need) for p in pairs], cuts
 
     @staticmethod
@@ -379,7 +381,8 @@ class MarginCertificate:
     def drops(self, eps: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, K)`` bounds of each margin's drop on the ε-ball, ``margin``'s
         (:func:`least_cut` of :meth:`terms`, and of the same terms with the
-        stem's from :meth:`chord_terms` unless differentiable) and
+        stem's from :meth:`chord_terms` at each of
+        :data:`.variation.CHORD_REACHES`, unless differentiable) and
         ``ball``'s ``ε L(x, ε) ‖w_y − w_j‖`` (the last cut), both rounded up.
         ``eps`` ``(B,)``.
 
@@ -391,8 +394,9 @@ class MarginCertificate:
         verdict changes)."""
         first, rest, cuts, ball = self.terms(eps)
         best = least_cut(first, rest, cuts, ball)
-        if not self.differentiable:  # training reads the larger bound
-            chord, stem_cuts, pairs = self._chord_linear(eps)
+        for theta in () if self.differentiable else CHORD_REACHES:
+            # (training reads the larger bound)
+            chord, stem_cuts, pairs = self._chord_linear(eps, theta)
             n = len(pairs)
             M = self.margins.mT  # (K, B)
             lowest = least_cut(chord, [torch.zeros_like(chord)] * n + rest[n:],

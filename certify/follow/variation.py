@@ -120,11 +120,12 @@ def pair_radius(delta: Tensor, delta_in: Tensor, V_norm: Tensor) -> Tensor:
     return torch.minimum(delta, V_norm * delta_in / 2**0.5)
 
 
-CHORD_REACH = 0.3
-"""The share ``θ`` of each stem pair's own reach on which :func:`chord_slopes`
-draws its chord (any slope is sound; 0.3 certified most of 0.1, 0.3, 0.6 and
-1 on the content-2 CaiT's first 50 test points at ε = 0.5, docs/math.md
-eq. 11.13)."""
+CHORD_REACHES = (0.3, 0.1)
+"""The shares ``θ`` of each stem pair's own reach on which
+:func:`chord_slopes` draws its chords, each tried (any slope is sound; on
+the content-2 CaiT at ε = 0.5, 0.3 certified most of 0.1, 0.2, 0.3, 0.5
+and 1 on its first 50 test points, and 0.1 one point more than 0.3 on
+``lipvit certify``'s seeded 300; docs/math.md eq. 11.13)."""
 
 CHORD_MULTIPLIERS = 25
 """Multipliers ``λ`` tried in :func:`chord_remainder`'s dual, ``λ₀ 2^{k/2}``,
