@@ -80,7 +80,8 @@ def _record(model: nn.Module, x: Tensor, y: Tensor, targets: Tensor | None = Non
             ) -> tuple[Tensor, Tensor, list[Site], Tensor]:
     """Logits, ``‖∇ₓ m_j‖`` ``(K, B)``, the :class:`Site` list of ``model``
     at ``x`` and the margins' gradients at the stem's tokens ``(K, B, N,
-    D)``: forward hooks keep every site's input and output; one batched
+    D)`` (``None`` with ``create_graph``: training does not read them):
+    forward hooks keep every site's input and output; one batched
     backward pass (a vector ``e_y − e_j`` per class: every class, or the
     classes ``targets`` ``(B, K)``) gives the margins' gradients at all of
     them. With ``create_graph`` everything stays differentiable (training)."""
@@ -97,8 +98,9 @@ def _record(model: nn.Module, x: Tensor, y: Tensor, targets: Tensor | None = Non
     modules = [*maxmin_inputs, *(m for m in model.modules()
                                  if isinstance(m, GatedAttention | ClassAttention))]
     handles = [m.register_forward_hook(hook) for m in modules]
-    handles.append(model.embed.register_forward_hook(
-        lambda module, args, out: tokens.append(out)))
+    if not create_graph:
+        handles.append(model.embed.register_forward_hook(
+            lambda module, args, out: tokens.append(out)))
     x = x.detach().requires_grad_(True)
     try:
         with torch.enable_grad():
@@ -113,10 +115,12 @@ def _record(model: nn.Module, x: Tensor, y: Tensor, targets: Tensor | None = Non
     finally:
         for h in handles:
             h.remove()
-    sites = [Site(m, z, g) for (m, z, _), g in zip(kept, grads[1:-1], strict=True)]
+    sites = [Site(m, z, g) for (m, z, _), g in zip(
+        kept, grads[1:1 + len(kept)], strict=True)]
     if not create_graph:
         logits = logits.detach()
-    return logits, grads[0].flatten(2).norm(dim=-1), sites, grads[-1]
+    return (logits, grads[0].flatten(2).norm(dim=-1), sites,
+            grads[-1] if tokens else None)
 
 
 class MarginCertificate:
@@ -324,13 +328,14 @@ class MarginCertificate:
         :func:`.variation.chord_remainder` (``κ`` ``(K, B, P)``, ``d, s`` ``(B,
         P)``, ``R`` ``(B,)``)."""
         stem = self.sites[:len(self.model.stem)]  # the stem's sites come first
-        slopes, delta_in, outs = [], [], []
+        d, slopes, delta_in, outs = [], [], [], []
         for i, site in enumerate(stem):
             a, b = site.z.chunk(2, dim=1)  # (B, c, S', S') each
+            d.append(a - b)
             delta_in.append(eps * (self.stem_L[i - 1] if i else 1))
             reach = theta * self.pair_norms[i][:, None, None] * delta_in[i][
                 :, None, None, None]
-            slopes.append(chord_slopes(a - b, reach))
+            slopes.append(chord_slopes(d[i], reach))
 
         def activation(z: Tensor, i: int) -> Tensor:
             outs.append(chord_max_min(z, slopes[i]))
@@ -343,26 +348,24 @@ class MarginCertificate:
                                         is_grads_batched=True)
         pairs, cuts = [], []
         for i, (site, s, g) in enumerate(zip(stem, slopes, grads[1:], strict=True)):
-            a, b = site.z.chunk(2, dim=1)
             g1, g2 = g.chunk(2, dim=2)  # (K, B, c, S', S') at max and min
             R = 2**0.5 * pair_radius(eps * self.stem_L[i], delta_in[i],
                                      self.V[id(site.module)])  # Σ Δd_p² ≤ R²
-            pairs.append(((g1 - g2).flatten(2), (a - b).flatten(1), s.flatten(1), R))
+            pairs.append(((g1 - g2).flatten(2), d[i].flatten(1), s.flatten(1), R))
             cuts.append(eps * self.stem_L[i] * g.flatten(2).norm(dim=-1))
         return eps * grads[0].flatten(2).norm(dim=-1), cuts, pairs
 
-    def chord_terms(self, eps: Tensor, need: Tensor | None = None,
-                    theta: float = CHORD_REACHES[0]
+    def chord_terms(self, eps: Tensor, theta: float = CHORD_REACHES[0]
                     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """Eq. (11.13): the stem's MaxMin pairs linearised by their chords
         instead of their gradients at the point (:meth:`_chord_linear`): the
         first-order term ``ε ‖∇̃ₓ m_j‖`` ``(K, B)``, and per stem MaxMin its
-        two-sided remainder bound (:func:`.variation.chord_remainder`; ``+inf``
-        at the points ``need`` ``(B,)`` leaves out) and the cut after it,
+        two-sided remainder bound (:func:`.variation.chord_remainder`) and
+        the cut after it,
         ``(K, B)`` each. The maps after the stem keep their exact Jacobians:
         their gradients, remainders and cuts are :meth:`terms`'."""
         first, cuts, pairs = self._chord_linear(eps, theta)
-        return first, [self._chord_remainder(*p, need) for p in pairs], cuts
+        return first, [self._chord_remainder(*p, None) for p in pairs], cuts
 
     @staticmethod
     def _chord_remainder(kappa: Tensor, d: Tensor, s: Tensor, R: Tensor,
@@ -394,11 +397,11 @@ class MarginCertificate:
         verdict changes)."""
         first, rest, cuts, ball = self.terms(eps)
         best = least_cut(first, rest, cuts, ball)
+        M = self.margins.mT  # (K, B)
         for theta in () if self.differentiable else CHORD_REACHES:
             # (training reads the larger bound)
             chord, stem_cuts, pairs = self._chord_linear(eps, theta)
             n = len(pairs)
-            M = self.margins.mT  # (K, B)
             lowest = least_cut(chord, [torch.zeros_like(chord)] * n + rest[n:],
                                [*stem_cuts, *cuts[n:]], ball)
             passes = M > best * (1 + ROUNDING)
