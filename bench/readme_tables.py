@@ -32,16 +32,17 @@ README = ROOT / "README.md"
 DIGITS_METHODS = ("taylor", "lofast")
 """The sound methods of the digits table (``specformer`` certifies nothing
 there and ``lofast-fast`` is an estimate: the caption says so)."""
-FMNIST_SYSTEMS = {
-    "lipvit hybrid (ball)": "lipvit hybrid ViT, `ball`",
-    "lipvit cait (ball)": "lipvit CaiT, `ball`",
-    "torchlip CNN, hkr (per pair, sound L)": "deel-torchlip CNN, HKR",
-    "torchlip CNN, lse (per pair, sound L)": "deel-torchlip CNN, LseHKR",
-}
-"""The Fashion-MNIST table's rows: key in the results file → the row's name."""
-PRESETS = {"lipvit hybrid (ball)": "fmnist-hybrid", "lipvit cait (ball)": "fmnist-cait"}
-"""lipvit's rows: their ``--preset``; the default of ``lipvit train --dataset
-fashion-mnist --family lipschitz`` is marked."""
+LIPVIT_SYSTEM = re.compile(r"lipvit (\w+) \((\S+)\)")
+"""A lipvit row's key in the results file: its architecture and the method
+that ``lipvit certify`` picks for it (the bench certifies with that one)."""
+ARCHITECTURES = {"hybrid": ("hybrid ViT", "fmnist-hybrid"),
+                 "cait": ("CaiT", "fmnist-cait")}
+"""lipvit's architectures: the row's name and the ``--preset`` that trains it;
+the default of ``lipvit train --dataset fashion-mnist --family lipschitz`` is
+marked."""
+PEERS = {"torchlip CNN, hkr (per pair, sound L)": "deel-torchlip CNN, HKR",
+         "torchlip CNN, lse (per pair, sound L)": "deel-torchlip CNN, LseHKR"}
+"""The peers' rows: key in the results file → the row's name."""
 DATE = re.compile(r",?\s*20\d\d-\d\d-\d\d")
 
 
@@ -92,14 +93,15 @@ def fmnist_table(figures: Path = FIGURES) -> str:
     the same points; each column's best in bold."""
     res = _load("peer_lipschitz_cnn.json", figures)
     meta = res["_meta"]
-    eps = list(res["lipvit hybrid (ball)"]["certified"])
+    systems = fmnist_systems(res)
+    eps = list(res[next(iter(systems))]["certified"])
     columns = {
         "clean": lambda r: r["clean"],
         **{f"ε = {e}": (lambda r, e=e: r["certified"][e]) for e in eps},
         "median certified radius": lambda r: r["median_radius"],
         "certified / attack radius": lambda r: r["median_cert_over_attack"],
     }
-    best = {c: max(get(res[k]) for k in FMNIST_SYSTEMS) for c, get in columns.items()}
+    best = {c: max(get(res[k]) for k in systems) for c, get in columns.items()}
 
     def cell(column: str, value: float) -> str:
         text = _pct(value) if column == "clean" or column.startswith("ε") else (
@@ -115,16 +117,28 @@ def fmnist_table(figures: Path = FIGURES) -> str:
         _row(["system", *columns, "training"]),
         _row(["---"] * (len(columns) + 2)),
     ]
-    from lipvit.commands.train import DEFAULT_PRESET
-
-    default = DEFAULT_PRESET["fashion-mnist", "lipschitz"]
-    for key, name in FMNIST_SYSTEMS.items():
+    for key, name in systems.items():
         r = res[key]
-        if PRESETS.get(key) == default:
-            name += " (the default)"
         lines.append(_row([name, *(cell(c, get(r)) for c, get in columns.items()),
                            f"{r['train_seconds'] / 60:.0f} min"]))
     return "\n".join(lines)
+
+
+def fmnist_systems(res: dict[str, Any]) -> dict[str, str]:
+    """The Fashion-MNIST table's rows, key in the results file → the row's
+    name: lipvit's models (each with the method it was certified by; the
+    default model marked), then the peers."""
+    from lipvit.commands.train import DEFAULT_PRESET
+
+    default = DEFAULT_PRESET["fashion-mnist", "lipschitz"]
+    rows = {}
+    for arch, (name, preset) in ARCHITECTURES.items():
+        for key in res:
+            match = LIPVIT_SYSTEM.fullmatch(key)
+            if match and match[1] == arch:
+                rows[key] = (f"lipvit {name}, `{match[2]}`"
+                             + (" (the default)" if preset == default else ""))
+    return rows | {key: name for key, name in PEERS.items() if key in res}
 
 
 TABLES = {"digits": digits_table, "fashion-mnist": fmnist_table}

@@ -22,7 +22,8 @@ table:
   convolutions, exact norms of its linear maps; lipvit's ``global``
   certificate, docs/math.md §9.3, which is the recipes' own per-pair row-norm
   certificate with the constant proven instead of assumed 1); for a lipvit
-  model with the method ``lipvit certify`` picks (``ball``);
+  model with the method ``lipvit certify`` picks (``ball`` on the hybrid ViT,
+  ``margin`` on the CaiT), named in the row's key;
 - for each lipvit model, its clean accuracy with every attention term
   removed (:func:`lipvit.ablate_attention`; no certificate is reported) and,
   for a CaiT, with only its self-attention removed (its class attention,
