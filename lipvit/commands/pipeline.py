@@ -491,6 +491,7 @@ def pipeline(
     C.write_json(out / "pipeline.json", record, force=True)
     report = write_report(plan, record)
     click.echo(
-        f"done in {wall:.1f} s (all steps, including earlier runs: "
+        f"done in {wall:.1f} s (the steps' own times summed, over parallel "
+        f"jobs and the earlier runs whose results were kept: "
         f"{record['total_seconds']:.1f} s); wrote {report}"
     )
